@@ -1,0 +1,313 @@
+"""``recpipe::permute_2D_sparse_data``: fbgemm's sparse permute, with optional preallocated outputs.
+
+Layout of the library entries (a custom op may not return an alias of an input, so the zero-copy
+contract is split, as shared/DESIGN.md explains):
+
+- ``recpipe::_permuted_lengths_sum(permute, lengths) -> SymInt``: the size of the permuted
+  values. Syncs with the device once and checks the permute range. Fake: an unbacked size.
+- ``recpipe::_permute_2D_sparse_data_into(...) -> ()``: writes the permuted lengths, values and
+  weights into the front of the given buffers. Never syncs on CUDA. Fake: nothing.
+- ``recpipe::permute_2D_sparse_data`` and its legacy name ``recpipe::permute_sparse_data``: the
+  public op, ``CompositeImplicitAutograd``. It validates metadata, allocates what the caller did
+  not pass, calls the primitive above and returns the buffers (views of their front when they
+  are larger than needed).
+
+Semantics match ``torch.ops.fbgemm.permute_2D_sparse_data`` for 2D lengths ``[T, B]`` and
+``fbgemm.permute_1D_sparse_data`` for 1D lengths ``[T]``: output row ``t'`` is input row
+``permute[t']`` (rows may be dropped or repeated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from recpipe.ops import permute_triton
+
+_LIB = torch.library.Library("recpipe", "DEF")
+_PUBLIC_SCHEMA = (
+    "(Tensor permute, Tensor lengths, Tensor values, Tensor? weights=None, "
+    "SymInt? permuted_lengths_sum=None, Tensor(a!)? permuted_lengths_out=None, "
+    "Tensor(b!)? permuted_indices_out=None, Tensor(c!)? permuted_weights_out=None) "
+    "-> (Tensor, Tensor, Tensor?)"
+)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_OP = "recpipe.permute_2D_sparse_data"
+
+PermuteResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _as_rows(lengths: torch.Tensor) -> torch.Tensor:
+    """``lengths`` as ``[T, B]`` (a 1D ``[T]`` is ``[T, 1]``)."""
+    return lengths if lengths.dim() == 2 else lengths.view(-1, 1)
+
+
+def _out_shape(permute: torch.Tensor, lengths: torch.Tensor) -> list[int]:
+    return [permute.numel(), *lengths.shape[1:]]
+
+
+def _check_inputs(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    permuted_lengths_sum: int | None,
+) -> None:
+    """Metadata-only checks of the inputs (no device access: they also run on fake tensors)."""
+    torch._check_type(
+        permute.dtype in _INDEX_DTYPES,
+        lambda: f"{_OP}: permute must be int32 or int64, got {permute.dtype}",
+    )
+    torch._check_type(
+        lengths.dtype in _INDEX_DTYPES,
+        lambda: f"{_OP}: lengths must be int32 or int64, got {lengths.dtype}",
+    )
+    torch._check_value(
+        permute.dim() == 1, lambda: f"{_OP}: permute must be 1D, got shape {tuple(permute.shape)}"
+    )
+    torch._check_value(
+        lengths.dim() in (1, 2),
+        lambda: f"{_OP}: lengths must be 1D [T] or 2D [T, B], got shape {tuple(lengths.shape)}",
+    )
+    torch._check_value(
+        values.dim() == 1, lambda: f"{_OP}: values must be 1D, got shape {tuple(values.shape)}"
+    )
+    named = [("permute", permute), ("values", values)]
+    if weights is not None:
+        named.append(("weights", weights))
+        torch._check_value(
+            tuple(weights.shape) == tuple(values.shape),
+            lambda: f"{_OP}: weights must have the shape of values {tuple(values.shape)}, "
+            f"got {tuple(weights.shape)}",
+        )
+    for name, t in named:
+        torch._check_value(
+            t.device == lengths.device,
+            lambda: f"{_OP}: {name} must be on the device of lengths ({lengths.device}), "
+            f"got {t.device}",
+        )
+    if permuted_lengths_sum is not None:
+        torch._check_value(
+            permuted_lengths_sum >= 0,
+            lambda: f"{_OP}: permuted_lengths_sum must be >= 0, got {permuted_lengths_sum}",
+        )
+
+
+def _check_out(
+    name: str, out: torch.Tensor, like: torch.Tensor, numel: int | torch.SymInt
+) -> None:
+    """``out`` must match ``like`` in dtype and device, be contiguous and hold ``numel``."""
+    torch._check_type(
+        out.dtype == like.dtype,
+        lambda: f"{_OP}: {name} must have dtype {like.dtype}, got {out.dtype}",
+    )
+    torch._check_value(
+        out.device == like.device,
+        lambda: f"{_OP}: {name} must be on device {like.device}, got {out.device}",
+    )
+    torch._check_value(
+        out.is_contiguous(),
+        lambda: f"{_OP}: {name} must be contiguous, got strides {out.stride()}",
+    )
+    torch._check_value(
+        numel <= out.numel(),
+        lambda: f"{_OP}: {name} is too small: needs at least {numel} elements, has {out.numel()}",
+    )
+
+
+def _front(buf: torch.Tensor, shape: Sequence[int | torch.SymInt]) -> torch.Tensor:
+    """A view of the first elements of contiguous ``buf`` with ``shape`` (same data_ptr).
+
+    Always a view, even when ``buf`` has ``shape`` already: comparing shapes would guard on the
+    unbacked output size under torch.compile.
+    """
+    numel = 1
+    for s in shape:
+        numel = numel * s
+    return buf.view(-1).narrow(0, 0, numel).view(shape)
+
+
+# --- primitive 1: the output size (syncs) ------------------------------------------------------
+
+
+@torch.library.custom_op("recpipe::_permuted_lengths_sum", mutates_args=())
+def _permuted_lengths_sum(permute: torch.Tensor, lengths: torch.Tensor) -> int:
+    """Sum of the permuted lengths; raises on an out-of-range permute. One device sync."""
+    rows = _as_rows(lengths)
+    T = rows.shape[0]
+    row_sums = rows.sum(dim=1, dtype=torch.int64)
+    in_range = (permute >= 0) & (permute < T)
+    safe = torch.where(in_range, permute, 0).to(torch.int64)
+    total = torch.where(in_range, row_sums.index_select(0, safe) if T else 0, 0).sum()
+    n_bad, total = torch.stack([(~in_range).sum(), total]).tolist()
+    if n_bad:
+        _raise_out_of_range(permute, T)
+    return total
+
+
+@_permuted_lengths_sum.register_fake
+def _(permute: torch.Tensor, lengths: torch.Tensor) -> torch.SymInt:
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+def _raise_out_of_range(permute: torch.Tensor, T: int) -> None:
+    bad = permute[(permute < 0) | (permute >= T)]
+    raise IndexError(
+        f"{_OP}: permute index out of range: expected values in [0, {T}) (T = lengths.size(0)), "
+        f"got {bad[:8].tolist()}{' ...' if bad.numel() > 8 else ''}"
+    )
+
+
+# --- primitive 2: the permute into given buffers ------------------------------------------------
+
+
+@torch.library.custom_op(
+    "recpipe::_permute_2D_sparse_data_into",
+    mutates_args=("lengths_out", "values_out", "weights_out"),
+)
+def _permute_into(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> None:
+    """Write the permute into the front of the buffers (checked by the public op)."""
+    raise NotImplementedError(f"{_OP}: no kernel for device {lengths.device}")
+
+
+@_permute_into.register_fake
+def _(permute, lengths, values, weights, n, lengths_out, values_out, weights_out) -> None:
+    return None
+
+
+def _flat_fronts(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    lo = _front(lengths_out, [permute.numel(), _as_rows(lengths).shape[1]])
+    return lo, _front(values_out, [n]), None if weights_out is None else _front(weights_out, [n])
+
+
+@_permute_into.register_kernel("cpu")
+def _permute_into_cpu(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
+    """Vectorized torch: gather index = source start of each output row + position in it."""
+    rows = _as_rows(lengths)
+    lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
+    T = rows.shape[0]
+    if ((permute < 0) | (permute >= T)).any():
+        _raise_out_of_range(permute, T)
+    torch.index_select(rows, 0, permute, out=lo)
+    row_sums = rows.sum(dim=1, dtype=torch.int64)
+    out_row_sums = lo.sum(dim=1, dtype=torch.int64)
+    torch._check_value(
+        int(out_row_sums.sum()) == n,
+        lambda: f"{_OP}: permuted_lengths_sum={n} but the permuted lengths sum to "
+        f"{int(out_row_sums.sum())}",
+    )
+    torch._check_value(
+        int(row_sums.sum()) <= values.numel(),
+        lambda: f"{_OP}: lengths sum to {int(row_sums.sum())} but values has {values.numel()}",
+    )
+    src_start = (row_sums.cumsum(0) - row_sums).index_select(0, permute)
+    out_start = out_row_sums.cumsum(0) - out_row_sums
+    index = torch.repeat_interleave(src_start - out_start, out_row_sums, output_size=n)
+    index += torch.arange(n, dtype=torch.int64)
+    torch.index_select(values, 0, index, out=vo)
+    if weights is not None:
+        torch.index_select(weights, 0, index, out=wo)
+
+
+@_permute_into.register_kernel("cuda")
+def _permute_into_cuda(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
+    """Triton; no host sync. Bad input fails a device-side assert, never writes garbage."""
+    lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
+    status = permute_triton.permute_into(permute, _as_rows(lengths), values, weights, n, lo, vo, wo)
+    torch._assert_async(
+        status,
+        f"{_OP}: permute index out of [0, lengths.size(0)), permuted_lengths_sum != sum of the "
+        "permuted lengths, or lengths sum to more than values.numel()",
+    )
+
+
+# --- the public op ------------------------------------------------------------------------------
+
+
+def permute_2D_sparse_data(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+    permuted_lengths_out: torch.Tensor | None = None,
+    permuted_indices_out: torch.Tensor | None = None,
+    permuted_weights_out: torch.Tensor | None = None,
+) -> PermuteResult:
+    """Permute rows of jagged sparse data, optionally into preallocated buffers.
+
+    Args:
+        permute: ``[T']`` int32/int64, output row ``t'`` is input row ``permute[t']`` (in
+            ``[0, T)``; rows may repeat or be left out).
+        lengths: ``[T, B]`` (or ``[T]``) int32/int64 segment lengths, row-major over ``values``.
+        values: ``[N]`` the jagged values (any dtype), ``N >= lengths.sum()``.
+        weights: optional ``[N]`` per-value weights (any floating dtype).
+        permuted_lengths_sum: the number of permuted values if known on the host. When given
+            (or with CUDA inputs generally, once it is known), the op never syncs the device.
+            When ``None`` it is computed with one device sync.
+        permuted_lengths_out, permuted_indices_out, permuted_weights_out: optional contiguous
+            buffers of the output dtype and device, at least ``T' * B`` / ``n`` / ``n``
+            elements. The result is written into their front; the returned tensors share
+            their storage (the buffer itself when its shape is exact, else a view).
+
+    Returns:
+        ``(permuted_lengths [T', B] or [T'], permuted_values [n], permuted_weights [n] | None)``.
+
+    Streams: all work is queued on the current stream. The caller owns the buffers and must order
+    their allocation and later reads against this stream (see recpipe.kjt / recpipe.pipeline).
+    """
+    _check_inputs(permute, lengths, values, weights, permuted_lengths_sum)
+    torch._check_value(
+        permuted_weights_out is None or weights is not None,
+        lambda: f"{_OP}: permuted_weights_out given but weights is None",
+    )
+    n = permuted_lengths_sum
+    if n is None:
+        n = torch.ops.recpipe._permuted_lengths_sum(permute, lengths)
+        torch._check(n >= 0)
+    lengths_shape = _out_shape(permute, lengths)
+    numel = permute.numel() * (lengths.shape[1] if lengths.dim() == 2 else 1)
+    outs = []
+    for name, buf, like, size, shape in (
+        ("permuted_lengths_out", permuted_lengths_out, lengths, numel, lengths_shape),
+        ("permuted_indices_out", permuted_indices_out, values, n, [n]),
+        ("permuted_weights_out", permuted_weights_out, weights, n, [n]),
+    ):
+        if like is None:
+            outs.append(None)
+        elif buf is None:
+            outs.append(torch.empty(shape, dtype=like.dtype, device=like.device))
+        else:
+            _check_out(name, buf, like, size)
+            outs.append(buf)
+    permute, lengths, values = permute.contiguous(), lengths.contiguous(), values.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    torch.ops.recpipe._permute_2D_sparse_data_into(permute, lengths, values, weights, n, *outs)
+    lengths_out, values_out, weights_out = outs
+    return (
+        _front(lengths_out, lengths_shape),
+        _front(values_out, [n]),
+        None if weights_out is None else _front(weights_out, [n]),
+    )
+
+
+for _name in ("permute_2D_sparse_data", "permute_sparse_data"):
+    _LIB.define(_name + _PUBLIC_SCHEMA)
+    _LIB.impl(_name, permute_2D_sparse_data, "CompositeImplicitAutograd")
