@@ -273,6 +273,29 @@ def permute_2D_sparse_data(
     Streams: all work is queued on the current stream. The caller owns the buffers and must order
     their allocation and later reads against this stream (see recpipe.kjt / recpipe.pipeline).
     """
+    return torch.ops.recpipe.permute_2D_sparse_data(
+        permute,
+        lengths,
+        values,
+        weights,
+        permuted_lengths_sum,
+        permuted_lengths_out,
+        permuted_indices_out,
+        permuted_weights_out,
+    )
+
+
+def _permute_composite(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+    permuted_lengths_out: torch.Tensor | None = None,
+    permuted_indices_out: torch.Tensor | None = None,
+    permuted_weights_out: torch.Tensor | None = None,
+) -> PermuteResult:
+    """The public op's CompositeImplicitAutograd kernel (see permute_2D_sparse_data)."""
     _check_inputs(permute, lengths, values, weights, permuted_lengths_sum)
     torch._check_value(
         permuted_weights_out is None or weights is not None,
@@ -310,4 +333,4 @@ def permute_2D_sparse_data(
 
 for _name in ("permute_2D_sparse_data", "permute_sparse_data"):
     _LIB.define(_name + _PUBLIC_SCHEMA)
-    _LIB.impl(_name, permute_2D_sparse_data, "CompositeImplicitAutograd")
+    _LIB.impl(_name, _permute_composite, "CompositeImplicitAutograd")

@@ -1,0 +1,74 @@
+"""The Triton kernels of the CUDA path, run on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so this module needs it set before
+``recpipe.ops`` is imported; ``scripts/test.sh`` runs it in its own pytest process that way.
+On a GPU machine (without the variable) the same checks run on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from permute_cases import fbgemm_reference, make_case
+
+from recpipe.ops import permute_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
+
+
+def _run(case, n: int):
+    B = case.lengths.shape[1]
+    dev = case.lengths.device
+    lo = torch.full((case.permute.numel(), B), -3, dtype=case.lengths.dtype, device=dev)
+    vo = torch.full((n,), -3, dtype=case.values.dtype, device=dev)
+    wo = None if case.weights is None else torch.full((n,), -3, dtype=case.weights.dtype, device=dev)
+    status = permute_triton.permute_into(case.permute, case.lengths, case.values, case.weights, n, lo, vo, wo)
+    return (lo, vo, wo), int(status.item())
+
+
+@pytest.mark.parametrize(
+    "T, B, T_out",
+    [(1, 1, 1), (7, 3, 4), (40, 1, 55), (3, 0, 2), (0, 4, 0), (5, 300, 9), (1100, 2, 1030)],
+)
+@pytest.mark.parametrize("weights_dtype", [None, torch.float16, torch.float32])
+def test_kernels_match_fbgemm(T: int, B: int, T_out: int, weights_dtype) -> None:
+    case = make_case(T, B, T_out, weights_dtype=weights_dtype, max_len=9, seed=T + B).to(DEVICE)
+    ref = fbgemm_reference(case)
+    got, status = _run(case, int(ref[0].sum()))
+    assert status == 1
+    for g, r in zip(got, ref):
+        assert (g is None) == (r is None)
+        if r is not None:
+            assert torch.equal(g.cpu(), r)
+
+
+def test_long_rows_use_several_programs() -> None:
+    """Rows longer than one copy block are split across programs and loop."""
+    case = make_case(3, 2, 4, max_len=9000, weights_dtype=None, seed=11).to(DEVICE)
+    ref = fbgemm_reference(case)
+    got, status = _run(case, int(ref[0].sum()))
+    assert status == 1 and torch.equal(got[1].cpu(), ref[1])
+
+
+@pytest.mark.parametrize("what", ["permute", "sum", "values"])
+def test_bad_input_flags_status_and_stays_in_bounds(what: str) -> None:
+    case = make_case(6, 3, 5, weights_dtype=None, max_len=4, seed=12).to(DEVICE)
+    n = int(fbgemm_reference(case)[0].sum())
+    if what == "permute":
+        case.permute[1] = 6
+    elif what == "sum":
+        n -= 1
+    else:
+        case.values = case.values[:-1]
+    (lo, vo, _), status = _run(case, max(n, 0))
+    assert status == 0
+    if what == "permute":  # the bad row is written as empty
+        assert (lo[1] == 0).all()
