@@ -199,31 +199,29 @@ def _flat_fronts(
 
 @_permute_into.register_kernel("cpu")
 def _permute_into_cpu(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
-    """Vectorized torch: gather index = source start of each output row + position in it."""
+    """Row-wise: each output row's values are one contiguous slice of the input, so one
+    ``torch.cat(out=)`` of the permuted slices writes the whole output (memcpy, multithreaded)."""
     rows = _as_rows(lengths)
     lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
     T = rows.shape[0]
     if ((permute < 0) | (permute >= T)).any():
         _raise_out_of_range(permute, T)
     torch.index_select(rows, 0, permute, out=lo)
-    row_sums = rows.sum(dim=1, dtype=torch.int64)
-    out_row_sums = lo.sum(dim=1, dtype=torch.int64)
+    row_sums = rows.sum(dim=1, dtype=torch.int64).tolist()
+    order = permute.tolist()
+    in_total, out_total = sum(row_sums), sum(row_sums[p] for p in order)
     torch._check_value(
-        int(out_row_sums.sum()) == n,
-        lambda: f"{_OP}: permuted_lengths_sum={n} but the permuted lengths sum to "
-        f"{int(out_row_sums.sum())}",
+        out_total == n,
+        lambda: f"{_OP}: permuted_lengths_sum={n} but the permuted lengths sum to {out_total}",
     )
     torch._check_value(
-        int(row_sums.sum()) <= values.numel(),
-        lambda: f"{_OP}: lengths sum to {int(row_sums.sum())} but values has {values.numel()}",
+        in_total <= values.numel(),
+        lambda: f"{_OP}: lengths sum to {in_total} but values has {values.numel()}",
     )
-    src_start = (row_sums.cumsum(0) - row_sums).index_select(0, permute)
-    out_start = out_row_sums.cumsum(0) - out_row_sums
-    index = torch.repeat_interleave(src_start - out_start, out_row_sums, output_size=n)
-    index += torch.arange(n, dtype=torch.int64)
-    torch.index_select(values, 0, index, out=vo)
-    if weights is not None:
-        torch.index_select(weights, 0, index, out=wo)
+    for src, dst in ((values, vo), (weights, wo)):
+        if src is not None and order:
+            slices = src.narrow(0, 0, in_total).split(row_sums)
+            torch.cat([slices[p] for p in order], out=dst)
 
 
 @_permute_into.register_kernel("cuda")
