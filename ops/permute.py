@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from recpipe.ops import permute_triton
 
@@ -47,6 +48,10 @@ def _out_shape(permute: torch.Tensor, lengths: torch.Tensor) -> list[int]:
     return [permute.numel(), *lengths.shape[1:]]
 
 
+def _fail(error: type[Exception], message: str) -> None:
+    raise error(f"{_OP}: {message}")
+
+
 def _check_inputs(
     permute: torch.Tensor,
     lengths: torch.Tensor,
@@ -54,39 +59,29 @@ def _check_inputs(
     weights: torch.Tensor | None,
     permuted_lengths_sum: int | None,
 ) -> None:
-    """Metadata-only checks of the inputs (no device access: they also run on fake tensors)."""
-    torch._check_type(
-        permute.dtype in _INDEX_DTYPES,
-        lambda: f"{_OP}: permute must be int32 or int64, got {permute.dtype}",
-    )
-    torch._check_type(
-        lengths.dtype in _INDEX_DTYPES,
-        lambda: f"{_OP}: lengths must be int32 or int64, got {lengths.dtype}",
-    )
-    torch._check_value(
-        permute.dim() == 1, lambda: f"{_OP}: permute must be 1D, got shape {tuple(permute.shape)}"
-    )
-    torch._check_value(
-        lengths.dim() in (1, 2),
-        lambda: f"{_OP}: lengths must be 1D [T] or 2D [T, B], got shape {tuple(lengths.shape)}",
-    )
-    torch._check_value(
-        values.dim() == 1, lambda: f"{_OP}: values must be 1D, got shape {tuple(values.shape)}"
-    )
-    named = [("permute", permute), ("values", values)]
-    if weights is not None:
-        named.append(("weights", weights))
-        torch._check_value(
-            tuple(weights.shape) == tuple(values.shape),
-            lambda: f"{_OP}: weights must have the shape of values {tuple(values.shape)}, "
+    """Metadata-only checks of the inputs (no device access: they also run on fake tensors).
+
+    Plain ``if``s on static metadata: cheap on the eager hot path, and valid while tracing.
+    """
+    if permute.dtype not in _INDEX_DTYPES:
+        _fail(TypeError, f"permute must be int32 or int64, got {permute.dtype}")
+    if lengths.dtype not in _INDEX_DTYPES:
+        _fail(TypeError, f"lengths must be int32 or int64, got {lengths.dtype}")
+    if permute.dim() != 1:
+        _fail(ValueError, f"permute must be 1D, got shape {tuple(permute.shape)}")
+    if lengths.dim() not in (1, 2):
+        _fail(ValueError, f"lengths must be 1D [T] or 2D [T, B], got shape {tuple(lengths.shape)}")
+    if values.dim() != 1:
+        _fail(ValueError, f"values must be 1D, got shape {tuple(values.shape)}")
+    if weights is not None and weights.shape != values.shape:
+        _fail(
+            ValueError,
+            f"weights must have the shape of values {tuple(values.shape)}, "
             f"got {tuple(weights.shape)}",
         )
-    for name, t in named:
-        torch._check_value(
-            t.device == lengths.device,
-            lambda: f"{_OP}: {name} must be on the device of lengths ({lengths.device}), "
-            f"got {t.device}",
-        )
+    for name, t in (("permute", permute), ("values", values), ("weights", weights)):
+        if t is not None and t.device != lengths.device:
+            _fail(ValueError, f"{name} must be on the device of lengths ({lengths.device}), got {t.device}")
     if permuted_lengths_sum is not None:
         torch._check_value(
             permuted_lengths_sum >= 0,
@@ -98,18 +93,13 @@ def _check_out(
     name: str, out: torch.Tensor, like: torch.Tensor, numel: int | torch.SymInt
 ) -> None:
     """``out`` must match ``like`` in dtype and device, be contiguous and hold ``numel``."""
-    torch._check_type(
-        out.dtype == like.dtype,
-        lambda: f"{_OP}: {name} must have dtype {like.dtype}, got {out.dtype}",
-    )
-    torch._check_value(
-        out.device == like.device,
-        lambda: f"{_OP}: {name} must be on device {like.device}, got {out.device}",
-    )
-    torch._check_value(
-        out.is_contiguous(),
-        lambda: f"{_OP}: {name} must be contiguous, got strides {out.stride()}",
-    )
+    if out.dtype != like.dtype:
+        _fail(TypeError, f"{name} must have dtype {like.dtype}, got {out.dtype}")
+    if out.device != like.device:
+        _fail(ValueError, f"{name} must be on device {like.device}, got {out.device}")
+    if not out.is_contiguous():
+        _fail(ValueError, f"{name} must be contiguous, got strides {out.stride()}")
+    # ``numel`` may be an unbacked size under torch.compile: a _check, not an ``if``.
     torch._check_value(
         numel <= out.numel(),
         lambda: f"{_OP}: {name} is too small: needs at least {numel} elements, has {out.numel()}",
@@ -131,8 +121,7 @@ def _front(buf: torch.Tensor, shape: Sequence[int | torch.SymInt]) -> torch.Tens
 # --- primitive 1: the output size (syncs) ------------------------------------------------------
 
 
-@torch.library.custom_op("recpipe::_permuted_lengths_sum", mutates_args=())
-def _permuted_lengths_sum(permute: torch.Tensor, lengths: torch.Tensor) -> int:
+def _lengths_sum(permute: torch.Tensor, lengths: torch.Tensor) -> int:
     """Sum of the permuted lengths; raises on an out-of-range permute. One device sync."""
     rows = _as_rows(lengths)
     T = rows.shape[0]
@@ -146,11 +135,6 @@ def _permuted_lengths_sum(permute: torch.Tensor, lengths: torch.Tensor) -> int:
     return total
 
 
-@_permuted_lengths_sum.register_fake
-def _(permute: torch.Tensor, lengths: torch.Tensor) -> torch.SymInt:
-    return torch.library.get_ctx().new_dynamic_size()
-
-
 def _raise_out_of_range(permute: torch.Tensor, T: int) -> None:
     bad = permute[(permute < 0) | (permute >= T)]
     raise IndexError(
@@ -159,30 +143,17 @@ def _raise_out_of_range(permute: torch.Tensor, T: int) -> None:
     )
 
 
-# --- primitive 2: the permute into given buffers ------------------------------------------------
-
-
-@torch.library.custom_op(
-    "recpipe::_permute_2D_sparse_data_into",
-    mutates_args=("lengths_out", "values_out", "weights_out"),
+_lengths_sum_op = torch.library.custom_op(
+    "recpipe::_permuted_lengths_sum", _lengths_sum, mutates_args=()
 )
-def _permute_into(
-    permute: torch.Tensor,
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    n: int,
-    lengths_out: torch.Tensor,
-    values_out: torch.Tensor,
-    weights_out: torch.Tensor | None,
-) -> None:
-    """Write the permute into the front of the buffers (checked by the public op)."""
-    raise NotImplementedError(f"{_OP}: no kernel for device {lengths.device}")
 
 
-@_permute_into.register_fake
-def _(permute, lengths, values, weights, n, lengths_out, values_out, weights_out) -> None:
-    return None
+@_lengths_sum_op.register_fake
+def _(permute: torch.Tensor, lengths: torch.Tensor) -> torch.SymInt:
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+# --- primitive 2: the permute into given buffers ------------------------------------------------
 
 
 def _flat_fronts(
@@ -197,8 +168,7 @@ def _flat_fronts(
     return lo, _front(values_out, [n]), None if weights_out is None else _front(weights_out, [n])
 
 
-@_permute_into.register_kernel("cpu")
-def _permute_into_cpu(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
+def _into_cpu(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
     """Row-wise: each output row's values are one contiguous slice of the input, so one
     ``torch.cat(out=)`` of the permuted slices writes the whole output (memcpy, multithreaded)."""
     rows = _as_rows(lengths)
@@ -210,33 +180,72 @@ def _permute_into_cpu(permute, lengths, values, weights, n, lengths_out, values_
     row_sums = rows.sum(dim=1, dtype=torch.int64).tolist()
     order = permute.tolist()
     in_total, out_total = sum(row_sums), sum(row_sums[p] for p in order)
-    torch._check_value(
-        out_total == n,
-        lambda: f"{_OP}: permuted_lengths_sum={n} but the permuted lengths sum to {out_total}",
-    )
-    torch._check_value(
-        in_total <= values.numel(),
-        lambda: f"{_OP}: lengths sum to {in_total} but values has {values.numel()}",
-    )
+    if out_total != n:
+        _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to {out_total}")
+    if in_total > values.numel():
+        _fail(ValueError, f"lengths sum to {in_total} but values has {values.numel()}")
     for src, dst in ((values, vo), (weights, wo)):
         if src is not None and order:
             slices = src.narrow(0, 0, in_total).split(row_sums)
             torch.cat([slices[p] for p in order], out=dst)
 
 
-@_permute_into.register_kernel("cuda")
-def _permute_into_cuda(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
+def _into_cuda(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
     """Triton; no host sync. Bad input fails a device-side assert, never writes garbage."""
     lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
+    if permute.numel() == 0 and n != 0:
+        _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to 0")
     status = permute_triton.permute_into(permute, _as_rows(lengths), values, weights, n, lo, vo, wo)
-    torch._assert_async(
-        status,
-        f"{_OP}: permute index out of [0, lengths.size(0)), permuted_lengths_sum != sum of the "
-        "permuted lengths, or lengths sum to more than values.numel()",
-    )
+    if status is not None:
+        torch._assert_async(
+            status,
+            f"{_OP}: permute index out of [0, lengths.size(0)), permuted_lengths_sum != sum of "
+            "the permuted lengths, or lengths sum to more than values.numel()",
+        )
+
+
+_INTO = {"cpu": _into_cpu, "cuda": _into_cuda}
+
+
+@torch.library.custom_op(
+    "recpipe::_permute_2D_sparse_data_into",
+    mutates_args=("lengths_out", "values_out", "weights_out"),
+)
+def _into_op(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> None:
+    """Write the permute into the front of the buffers (checked by the public op)."""
+    raise NotImplementedError(f"{_OP}: no kernel for device {lengths.device}")
+
+
+for _device, _kernel in _INTO.items():
+    _into_op.register_kernel(_device, _kernel)
+
+
+@_into_op.register_fake
+def _(permute, lengths, values, weights, n, lengths_out, values_out, weights_out) -> None:
+    return None
 
 
 # --- the public op ------------------------------------------------------------------------------
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """True outside tracing, modes and tensor subclasses: the kernels may be called directly."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._is_torch_function_mode_enabled()
+        and _get_current_dispatch_mode() is None
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+        and tensors[1].device.type in _INTO
+    )
 
 
 def permute_2D_sparse_data(
@@ -270,8 +279,12 @@ def permute_2D_sparse_data(
 
     Streams: all work is queued on the current stream. The caller owns the buffers and must order
     their allocation and later reads against this stream (see recpipe.kjt / recpipe.pipeline).
+
+    Eager calls on plain tensors run the kernels directly (the dispatcher's Python layers cost
+    more host time than the kernels' launches); anything else goes through
+    ``torch.ops.recpipe.permute_2D_sparse_data``, with the same checks and results.
     """
-    return torch.ops.recpipe.permute_2D_sparse_data(
+    args = (
         permute,
         lengths,
         values,
@@ -281,9 +294,12 @@ def permute_2D_sparse_data(
         permuted_indices_out,
         permuted_weights_out,
     )
+    if _plain_eager(permute, lengths, values, weights, *args[5:]):
+        return _permute(*args, direct=True)
+    return torch.ops.recpipe.permute_2D_sparse_data(*args)
 
 
-def _permute_composite(
+def _permute(
     permute: torch.Tensor,
     lengths: torch.Tensor,
     values: torch.Tensor,
@@ -292,16 +308,19 @@ def _permute_composite(
     permuted_lengths_out: torch.Tensor | None = None,
     permuted_indices_out: torch.Tensor | None = None,
     permuted_weights_out: torch.Tensor | None = None,
+    *,
+    direct: bool = False,
 ) -> PermuteResult:
-    """The public op's CompositeImplicitAutograd kernel (see permute_2D_sparse_data)."""
+    """The public op's CompositeImplicitAutograd kernel (see permute_2D_sparse_data).
+
+    ``direct=True`` calls the primitives' device kernels instead of their ops (eager only).
+    """
     _check_inputs(permute, lengths, values, weights, permuted_lengths_sum)
-    torch._check_value(
-        permuted_weights_out is None or weights is not None,
-        lambda: f"{_OP}: permuted_weights_out given but weights is None",
-    )
+    if permuted_weights_out is not None and weights is None:
+        _fail(ValueError, "permuted_weights_out given but weights is None")
     n = permuted_lengths_sum
     if n is None:
-        n = torch.ops.recpipe._permuted_lengths_sum(permute, lengths)
+        n = (_lengths_sum if direct else torch.ops.recpipe._permuted_lengths_sum)(permute, lengths)
         torch._check(n >= 0)
     lengths_shape = _out_shape(permute, lengths)
     numel = permute.numel() * (lengths.shape[1] if lengths.dim() == 2 else 1)
@@ -320,7 +339,8 @@ def _permute_composite(
             outs.append(buf)
     permute, lengths, values = permute.contiguous(), lengths.contiguous(), values.contiguous()
     weights = None if weights is None else weights.contiguous()
-    torch.ops.recpipe._permute_2D_sparse_data_into(permute, lengths, values, weights, n, *outs)
+    into = _INTO[lengths.device.type] if direct else torch.ops.recpipe._permute_2D_sparse_data_into
+    into(permute, lengths, values, weights, n, *outs)
     lengths_out, values_out, weights_out = outs
     return (
         _front(lengths_out, lengths_shape),
@@ -331,4 +351,4 @@ def _permute_composite(
 
 for _name in ("permute_2D_sparse_data", "permute_sparse_data"):
     _LIB.define(_name + _PUBLIC_SCHEMA)
-    _LIB.impl(_name, _permute_composite, "CompositeImplicitAutograd")
+    _LIB.impl(_name, _permute, "CompositeImplicitAutograd")

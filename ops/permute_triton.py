@@ -2,15 +2,18 @@
 
 Row ``t'`` of the output is row ``permute[t']`` of the input: its ``B`` lengths, and the values
 (and weights) of those ``B`` segments, which are contiguous in both the input and the output.
-So the permute is one contiguous copy per output row, and three launches do it all:
+So the permute is one contiguous copy per output row:
 
-1. ``_lengths_kernel``  (grid over rows): permuted lengths, per-row sums of input and output.
-2. ``_offsets_kernel``  (one program): exclusive prefix sums of both row sums, the source start
-   of every output row, and a status flag (permute in range, sizes consistent).
-3. ``_copy_kernel``     (grid ``T' x P``): copies values and weights row by row.
+1. ``_lengths_kernel`` (grid over rows): the permuted lengths, and the sum of every input row.
+2. ``_copy_kernel`` (grid ``T' x P``): each program finds its row's source and destination start
+   by summing the row sums before it (``T + T'`` loads from L2, cheap for the usual few
+   thousand features), then copies its share of the row's values and weights. The program of
+   the last row also writes the status flag.
+   With many rows (``max(T, T') > _FUSED_MAX_ROWS``, e.g. 1D lengths of a variable batch) a
+   single-program ``_offsets_kernel`` computes the starts and the status once instead.
 
-Nothing here reads memory out of bounds or syncs with the host, even on bad input: rows with an
-out-of-range permute index are written as empty, copies are clipped to the buffers, and the
+Nothing here reads or writes out of bounds or syncs with the host, even on bad input: rows with
+an out-of-range permute index are written as empty, copies are clipped to the buffers, and the
 status flag is returned for the caller to assert on asynchronously (``torch._assert_async``).
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (CI tests them that way).
 """
@@ -21,10 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-_COPY_BLOCK = 4096
-_COPY_WARPS = 8
-_TARGET_PROGRAMS = 2048  # enough CTAs to fill 132 SMs several times over
-_SCAN_BLOCK = 1024
+# Tuned on an H100 with scripts/bench_permute.py (large shape, int64 values).
+COPY_BLOCK = 4096
+COPY_WARPS = 8
+TARGET_PROGRAMS = 2048  # enough CTAs to fill 132 SMs several times over
+SCAN_BLOCK = 1024
+_FUSED_MAX_ROWS = 8192
 
 
 @triton.jit
@@ -33,7 +38,6 @@ def _lengths_kernel(
     lengths_ptr,
     lengths_out_ptr,
     row_sums_ptr,
-    out_row_sums_ptr,
     T,
     T_out,
     B,
@@ -45,16 +49,14 @@ def _lengths_kernel(
     out_mask = rows < T_out
     src = tl.load(permute_ptr + rows, mask=out_mask, other=0).to(tl.int64)
     valid = out_mask & (src >= 0) & (src < T)
-    in_base = rows.to(tl.int64) * B
+    base = rows.to(tl.int64) * B
     src_base = src * B
-    out_base = rows.to(tl.int64) * B
     in_sum = tl.zeros([BLOCK_R], dtype=tl.int64)
-    out_sum = tl.zeros([BLOCK_R], dtype=tl.int64)
     for b0 in range(0, B, BLOCK_B):
         cols = b0 + tl.arange(0, BLOCK_B)
         col_mask = cols < B
         x = tl.load(
-            lengths_ptr + in_base[:, None] + cols[None, :],
+            lengths_ptr + base[:, None] + cols[None, :],
             mask=in_mask[:, None] & col_mask[None, :],
             other=0,
         )
@@ -65,20 +67,37 @@ def _lengths_kernel(
             other=0,
         )
         tl.store(
-            lengths_out_ptr + out_base[:, None] + cols[None, :],
+            lengths_out_ptr + base[:, None] + cols[None, :],
             y,
             mask=out_mask[:, None] & col_mask[None, :],
         )
-        out_sum += tl.sum(y.to(tl.int64), axis=1)
     tl.store(row_sums_ptr + rows, in_sum, mask=in_mask)
-    tl.store(out_row_sums_ptr + rows, out_sum, mask=out_mask)
+
+
+@triton.jit
+def _sum_rows_before(row_sums_ptr, permute_ptr, end, T, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """sum(row_sums[r] for r < end), or over ``permute[t]`` for t < end when GATHER; plus the
+    number of out-of-range permute indices seen (GATHER only)."""
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for r0 in range(0, end, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        mask = r < end
+        if GATHER:
+            q = tl.load(permute_ptr + r, mask=mask, other=0).to(tl.int64)
+            ok = (q >= 0) & (q < T)
+            bad += (mask & ~ok).to(tl.int32)
+            mask = mask & ok
+            r = q
+        total += tl.load(row_sums_ptr + r, mask=mask, other=0)
+    return tl.sum(total, axis=0), tl.sum(bad, axis=0)
 
 
 @triton.jit
 def _offsets_kernel(
     permute_ptr,
     row_sums_ptr,
-    out_row_sums_ptr,
+    in_excl_ptr,
     src_start_ptr,
     out_start_ptr,
     status_ptr,
@@ -88,14 +107,13 @@ def _offsets_kernel(
     values_numel,
     BLOCK: tl.constexpr,
 ):
-    # Exclusive prefix sum of the input row sums, in place.
+    """One program: the starts of every output row, and the status (the many-rows path)."""
     carry = tl.zeros([1], dtype=tl.int64)
     for r0 in range(0, T, BLOCK):
         rows = r0 + tl.arange(0, BLOCK)
         mask = rows < T
         x = tl.load(row_sums_ptr + rows, mask=mask, other=0)
-        incl = tl.cumsum(x, axis=0)
-        tl.store(row_sums_ptr + rows, incl - x + carry, mask=mask)
+        tl.store(in_excl_ptr + rows, tl.cumsum(x, axis=0) - x + carry, mask=mask)
         carry += tl.sum(x, axis=0)
     in_total = carry
     tl.debug_barrier()  # the gathers below read starts that other threads stored
@@ -105,13 +123,11 @@ def _offsets_kernel(
         rows = r0 + tl.arange(0, BLOCK)
         mask = rows < T_out
         src = tl.load(permute_ptr + rows, mask=mask, other=0).to(tl.int64)
-        valid = (src >= 0) & (src < T)
+        valid = mask & (src >= 0) & (src < T)
         bad += tl.sum((mask & ~valid).to(tl.int32), axis=0)
-        start = tl.load(row_sums_ptr + src, mask=mask & valid, other=0)
-        tl.store(src_start_ptr + rows, start, mask=mask)
-        x = tl.load(out_row_sums_ptr + rows, mask=mask, other=0)
-        incl = tl.cumsum(x, axis=0)
-        tl.store(out_start_ptr + rows, incl - x + carry, mask=mask)
+        tl.store(src_start_ptr + rows, tl.load(in_excl_ptr + src, mask=valid, other=0), mask=mask)
+        x = tl.load(row_sums_ptr + src, mask=valid, other=0)
+        tl.store(out_start_ptr + rows, tl.cumsum(x, axis=0) - x + carry, mask=mask)
         carry += tl.sum(x, axis=0)
     ok = (bad == 0) & (carry == n) & (in_total <= values_numel)
     tl.store(status_ptr + tl.arange(0, 1), ok.to(tl.int64))
@@ -119,27 +135,42 @@ def _offsets_kernel(
 
 @triton.jit
 def _copy_kernel(
+    permute_ptr,
+    row_sums_ptr,
+    src_start_ptr,
+    out_start_ptr,
+    status_ptr,
     values_ptr,
     weights_ptr,
     values_out_ptr,
     weights_out_ptr,
-    src_start_ptr,
-    out_start_ptr,
-    out_row_sums_ptr,
+    T,
+    T_out,
     n,
     values_numel,
+    FUSED: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    step = tl.num_programs(1) * BLOCK
-    src = tl.load(src_start_ptr + row)
-    dst = tl.load(out_start_ptr + row)
-    length = tl.load(out_row_sums_ptr + row)
+    src_row = tl.load(permute_ptr + row).to(tl.int64)
+    valid = (src_row >= 0) & (src_row < T)
+    length = tl.load(row_sums_ptr + tl.where(valid, src_row, 0), mask=valid, other=0)
+    if FUSED:
+        src, _ = _sum_rows_before(row_sums_ptr, permute_ptr, tl.where(valid, src_row, 0), T, False, SCAN_BLOCK)
+        dst, bad = _sum_rows_before(row_sums_ptr, permute_ptr, row, T, True, SCAN_BLOCK)
+        if (row == T_out - 1) & (tl.program_id(1) == 0):
+            in_total, _ = _sum_rows_before(row_sums_ptr, permute_ptr, T, T, False, SCAN_BLOCK)
+            ok = valid & (bad == 0) & (dst + length == n) & (in_total <= values_numel)
+            tl.store(status_ptr, ok.to(tl.int64))
+    else:
+        src = tl.load(src_start_ptr + row)
+        dst = tl.load(out_start_ptr + row)
     # Clip to the buffers so that inconsistent input (flagged in the status) never touches
     # memory out of bounds.
     length = tl.minimum(length, tl.maximum(tl.minimum(n - dst, values_numel - src), 0))
-    for k in range(tl.program_id(1) * BLOCK, length, step):
+    for k in range(tl.program_id(1) * BLOCK, length, tl.num_programs(1) * BLOCK):
         idx = k + tl.arange(0, BLOCK)
         mask = idx < length
         tl.store(values_out_ptr + dst + idx, tl.load(values_ptr + src + idx, mask=mask), mask=mask)
@@ -157,43 +188,46 @@ def permute_into(
     lengths_out: torch.Tensor,
     values_out: torch.Tensor,
     weights_out: torch.Tensor | None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """Permute ``lengths [T, B]`` rows into ``lengths_out`` and their data into the outputs.
 
     Contract (checked by the caller, ``recpipe.ops.permute``): all tensors on one device and
     contiguous; ``lengths_out`` holds ``T' * B`` elements, ``values_out`` and ``weights_out``
     at least ``n``. Launches on the current stream; never syncs. Returns a one-element int64
     status tensor: 1 if every permute index is in ``[0, T)``, the permuted lengths sum to ``n``
-    and the input lengths sum to at most ``values.numel()``; 0 otherwise.
+    and the input lengths sum to at most ``values.numel()``; 0 otherwise. Returns ``None`` when
+    ``T' == 0`` (nothing to check: ``n`` must then be 0, which the caller knows on the host).
     """
     T, B = lengths.shape
     T_out = permute.numel()
-    device = lengths.device
-    work = torch.empty(T + 3 * T_out + 1, dtype=torch.int64, device=device)
-    row_sums, out_row_sums, src_start, out_start, status = torch.split(
-        work, [T, T_out, T_out, T_out, 1]
-    )
+    if T_out == 0:
+        return None
+    fused = max(T, T_out) <= _FUSED_MAX_ROWS
+    scratch = T + 1 if fused else 2 * T + 2 * T_out + 1
+    work = torch.empty(scratch, dtype=torch.int64, device=lengths.device)
+    row_sums, status, rest = work[:T], work[T : T + 1], work[T + 1 :]
+    in_excl, src_start, out_start = (rest, rest, rest) if fused else rest.split([T, T_out, T_out])
     rows = max(T, T_out)
-    if rows:
-        block_b = min(triton.next_power_of_2(max(B, 1)), 256)
-        block_r = max(1, 1024 // block_b)
-        _lengths_kernel[(triton.cdiv(rows, block_r),)](
-            permute, lengths, lengths_out, row_sums, out_row_sums, T, T_out, B,
-            BLOCK_R=block_r, BLOCK_B=block_b,
-        )
-    _offsets_kernel[(1,)](
-        permute, row_sums, out_row_sums, src_start, out_start, status,
-        T, T_out, n, values.numel(), BLOCK=_SCAN_BLOCK,
+    block_b = min(triton.next_power_of_2(max(B, 1)), 256)
+    block_r = max(1, 1024 // block_b)
+    _lengths_kernel[(triton.cdiv(rows, block_r),)](
+        permute, lengths, lengths_out, row_sums, T, T_out, B, BLOCK_R=block_r, BLOCK_B=block_b
     )
-    if T_out and n:
-        per_row = triton.cdiv(triton.cdiv(n, T_out), _COPY_BLOCK)
-        programs_per_row = max(1, min(per_row, triton.cdiv(_TARGET_PROGRAMS, T_out)))
-        _copy_kernel[(T_out, programs_per_row)](
-            values,
-            values if weights is None else weights,
-            values_out,
-            values_out if weights_out is None else weights_out,
-            src_start, out_start, out_row_sums, n, values.numel(),
-            HAS_WEIGHTS=weights is not None, BLOCK=_COPY_BLOCK, num_warps=_COPY_WARPS,
+    if not fused:
+        _offsets_kernel[(1,)](
+            permute, row_sums, in_excl, src_start, out_start, status,
+            T, T_out, n, values.numel(), BLOCK=SCAN_BLOCK,
         )
+    per_row = triton.cdiv(triton.cdiv(max(n, 1), T_out), COPY_BLOCK)
+    programs_per_row = max(1, min(per_row, triton.cdiv(TARGET_PROGRAMS, T_out), 65535))
+    _copy_kernel[(T_out, programs_per_row)](
+        permute, row_sums, src_start, out_start, status,
+        values,
+        values if weights is None else weights,
+        values_out,
+        values_out if weights_out is None else weights_out,
+        T, T_out, n, values.numel(),
+        FUSED=fused, HAS_WEIGHTS=weights is not None, BLOCK=COPY_BLOCK, SCAN_BLOCK=SCAN_BLOCK,
+        num_warps=COPY_WARPS,
+    )
     return status

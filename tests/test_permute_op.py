@@ -12,6 +12,7 @@ import recpipe.ops  # noqa: F401  (registers torch.ops.recpipe)
 from recpipe.ops import permute_2D_sparse_data
 
 OPS = [torch.ops.recpipe.permute_2D_sparse_data, torch.ops.recpipe.permute_sparse_data]
+CALLS = OPS + [permute_2D_sparse_data]  # the Python entry point runs the kernels directly
 
 
 def assert_same(got, ref) -> None:
@@ -58,18 +59,19 @@ def test_parity_with_fbgemm(
         ).to(device)
         ref = fbgemm_reference(case)
         n = int(ref[0].sum()) if give_sum else None
-        for op in OPS:
+        for op in CALLS:
             assert_same(op(*case.args(), n), ref)
 
 
 @pytest.mark.parametrize("give_sum", [True, False])
 @pytest.mark.parametrize("extra", [0, 5])
-def test_out_buffers_are_written_in_place(device, give_sum: bool, extra: int) -> None:
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_out_buffers_are_written_in_place(device, give_sum: bool, extra: int, call) -> None:
     case = make_case(9, 4, 12, seed=1).to(device)
     ref = fbgemm_reference(case)
     n = int(ref[0].sum())
     lo, vo, wo = buffers(case, n, extra)
-    got = permute_2D_sparse_data(*case.args(), n if give_sum else None, lo, vo, wo)
+    got = call(*case.args(), n if give_sum else None, lo, vo, wo)
     assert_same(got, ref)
     for out, buf in zip(got, (lo, vo, wo)):
         assert out.data_ptr() == buf.data_ptr()
@@ -116,13 +118,14 @@ def _valid(device):
         ("permuted_indices_out", lambda b: b.to("meta"), ValueError, "device"),
     ],
 )
-def test_bad_out_buffer_is_named(device, which, make_bad, err, match) -> None:
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_bad_out_buffer_is_named(device, which, make_bad, err, match, call) -> None:
     case, n = _valid(device)
     lo, vo, wo = buffers(case, n)
     kwargs = dict(permuted_lengths_out=lo, permuted_indices_out=vo, permuted_weights_out=wo)
     kwargs[which] = make_bad(kwargs[which])
     with pytest.raises(err, match=f"{which}.*{match}"):
-        permute_2D_sparse_data(*case.args(), n, **kwargs)
+        call(*case.args(), n, **kwargs)
 
 
 @pytest.mark.parametrize(

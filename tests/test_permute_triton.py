@@ -31,7 +31,7 @@ def _run(case, n: int):
     vo = torch.full((n,), -3, dtype=case.values.dtype, device=dev)
     wo = None if case.weights is None else torch.full((n,), -3, dtype=case.weights.dtype, device=dev)
     status = permute_triton.permute_into(case.permute, case.lengths, case.values, case.weights, n, lo, vo, wo)
-    return (lo, vo, wo), int(status.item())
+    return (lo, vo, wo), 1 if status is None else int(status.item())  # None: nothing to do
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,10 @@ def _run(case, n: int):
     [(1, 1, 1), (7, 3, 4), (40, 1, 55), (3, 0, 2), (0, 4, 0), (5, 300, 9), (1100, 2, 1030)],
 )
 @pytest.mark.parametrize("weights_dtype", [None, torch.float16, torch.float32])
-def test_kernels_match_fbgemm(T: int, B: int, T_out: int, weights_dtype) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-offsets", "offsets-kernel"])
+def test_kernels_match_fbgemm(T: int, B: int, T_out: int, weights_dtype, fused: bool, monkeypatch) -> None:
+    if not fused:  # the many-rows path: starts from the single-program offsets kernel
+        monkeypatch.setattr(permute_triton, "_FUSED_MAX_ROWS", 0)
     case = make_case(T, B, T_out, weights_dtype=weights_dtype, max_len=9, seed=T + B).to(DEVICE)
     ref = fbgemm_reference(case)
     got, status = _run(case, int(ref[0].sum()))
@@ -59,7 +62,10 @@ def test_long_rows_use_several_programs() -> None:
 
 
 @pytest.mark.parametrize("what", ["permute", "sum", "values"])
-def test_bad_input_flags_status_and_stays_in_bounds(what: str) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-offsets", "offsets-kernel"])
+def test_bad_input_flags_status_and_stays_in_bounds(what: str, fused: bool, monkeypatch) -> None:
+    if not fused:
+        monkeypatch.setattr(permute_triton, "_FUSED_MAX_ROWS", 0)
     case = make_case(6, 3, 5, weights_dtype=None, max_len=4, seed=12).to(DEVICE)
     n = int(fbgemm_reference(case)[0].sum())
     if what == "permute":
