@@ -99,19 +99,25 @@ def _check_out(
         _fail(ValueError, f"{name} must be on device {like.device}, got {out.device}")
     if not out.is_contiguous():
         _fail(ValueError, f"{name} must be contiguous, got strides {out.stride()}")
-    # ``numel`` may be an unbacked size under torch.compile: a _check, not an ``if``.
-    torch._check_value(
-        numel <= out.numel(),
-        lambda: f"{_OP}: {name} is too small: needs at least {numel} elements, has {out.numel()}",
-    )
+    have = out.numel()
+    if isinstance(numel, int) and isinstance(have, int):  # eager: a plain comparison
+        if numel > have:
+            _fail(ValueError, f"{name} is too small: needs at least {numel} elements, has {have}")
+    else:  # may be an unbacked size under torch.compile: a _check, not an ``if``
+        torch._check_value(
+            numel <= have,
+            lambda: f"{_OP}: {name} is too small: needs at least {numel} elements, has {have}",
+        )
 
 
 def _front(buf: torch.Tensor, shape: Sequence[int | torch.SymInt]) -> torch.Tensor:
     """A view of the first elements of contiguous ``buf`` with ``shape`` (same data_ptr).
 
-    Always a view, even when ``buf`` has ``shape`` already: comparing shapes would guard on the
-    unbacked output size under torch.compile.
+    ``buf`` itself when it has ``shape`` and all sizes are plain ints (eager); otherwise always a
+    view: comparing symbolic shapes would guard on the unbacked output size under torch.compile.
     """
+    if all(type(s) is int for s in shape) and list(buf.shape) == list(shape):
+        return buf
     numel = 1
     for s in shape:
         numel = numel * s

@@ -24,6 +24,18 @@ else:
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
 
 
+@pytest.fixture(params=["one_launch", "fused", "offsets"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force one of the three ways the copy kernel finds its row starts."""
+    big, never = 1 << 62, -1
+    one, fused = {"one_launch": (big, big), "fused": (never, big), "offsets": (never, never)}[
+        request.param
+    ]
+    monkeypatch.setattr(permute_triton, "ONE_LAUNCH_MAX_READS", one)
+    monkeypatch.setattr(permute_triton, "FUSED_MAX_ROWS", fused)
+    return request.param
+
+
 def _run(case, n: int):
     B = case.lengths.shape[1]
     dev = case.lengths.device
@@ -39,10 +51,7 @@ def _run(case, n: int):
     [(1, 1, 1), (7, 3, 4), (40, 1, 55), (3, 0, 2), (0, 4, 0), (5, 300, 9), (1100, 2, 1030)],
 )
 @pytest.mark.parametrize("weights_dtype", [None, torch.float16, torch.float32])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-offsets", "offsets-kernel"])
-def test_kernels_match_fbgemm(T: int, B: int, T_out: int, weights_dtype, fused: bool, monkeypatch) -> None:
-    if not fused:  # the many-rows path: starts from the single-program offsets kernel
-        monkeypatch.setattr(permute_triton, "_FUSED_MAX_ROWS", 0)
+def test_kernels_match_fbgemm(T: int, B: int, T_out: int, weights_dtype, mode: str) -> None:
     case = make_case(T, B, T_out, weights_dtype=weights_dtype, max_len=9, seed=T + B).to(DEVICE)
     ref = fbgemm_reference(case)
     got, status = _run(case, int(ref[0].sum()))
@@ -53,7 +62,7 @@ def test_kernels_match_fbgemm(T: int, B: int, T_out: int, weights_dtype, fused: 
             assert torch.equal(g.cpu(), r)
 
 
-def test_long_rows_use_several_programs() -> None:
+def test_long_rows_use_several_programs(mode: str) -> None:
     """Rows longer than one copy block are split across programs and loop."""
     case = make_case(3, 2, 4, max_len=9000, weights_dtype=None, seed=11).to(DEVICE)
     ref = fbgemm_reference(case)
@@ -62,10 +71,7 @@ def test_long_rows_use_several_programs() -> None:
 
 
 @pytest.mark.parametrize("what", ["permute", "sum", "values"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-offsets", "offsets-kernel"])
-def test_bad_input_flags_status_and_stays_in_bounds(what: str, fused: bool, monkeypatch) -> None:
-    if not fused:
-        monkeypatch.setattr(permute_triton, "_FUSED_MAX_ROWS", 0)
+def test_bad_input_flags_status_and_stays_in_bounds(what: str, mode: str) -> None:
     case = make_case(6, 3, 5, weights_dtype=None, max_len=4, seed=12).to(DEVICE)
     n = int(fbgemm_reference(case)[0].sum())
     if what == "permute":
