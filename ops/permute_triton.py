@@ -37,7 +37,9 @@ ONE_LAUNCH_MAX_READS = 1 << 24  # T' * T * B: lengths re-read by all programs (L
 FUSED_MAX_ROWS = 8192  # max(T, T'): row sums re-read by all programs
 
 
-@triton.jit
+# Sizes change every batch: kernels don't specialize on them (== 1, % 16), or a training run
+# would recompile them mid-way.
+@triton.jit(do_not_specialize=["T", "T_out", "B"])
 def _lengths_kernel(
     permute_ptr,
     lengths_ptr,
@@ -103,7 +105,7 @@ def _sum_rows_before(
     return tl.sum(tl.sum(total, axis=1), axis=0), tl.sum(bad, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "T_out", "n", "values_numel"])
 def _offsets_kernel(
     permute_ptr,
     row_sums_ptr,
@@ -143,7 +145,7 @@ def _offsets_kernel(
     tl.store(status_ptr + tl.arange(0, 1), ok.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "T_out", "W", "n", "values_numel"])
 def _copy_kernel(
     permute_ptr,
     sums_ptr,
@@ -253,8 +255,8 @@ def permute_into(
     block_w = min(triton.next_power_of_2(max(W, 1)), 256)
     per_row = triton.cdiv(triton.cdiv(max(n, 1), T_out), COPY_BLOCK)
     programs_per_row = max(1, min(per_row, triton.cdiv(TARGET_PROGRAMS, T_out), 65535))
-    if mode == _ONE_LAUNCH:
-        programs_per_row = 1  # every program re-reads the lengths before its row
+    if mode == _ONE_LAUNCH:  # every program re-reads the lengths before its row: bound the reads
+        programs_per_row = min(programs_per_row, max(1, ONE_LAUNCH_MAX_READS // (T_out * T * B)))
     _copy_kernel[(T_out, programs_per_row)](
         permute, sums, src_start, out_start, status, lengths_out,
         values,

@@ -15,10 +15,12 @@ so that drift hits them all alike:
 - ``fbgemm+prealloc`` fbgemm.permute_2D_sparse_preallocated_out, where installed (no checks)
 - ``copy``            one device copy of the bytes the permute reads and writes
 
-Columns: host time per call (launch cost: the device is idle when the call starts), device
-time P50/P90 (CUDA events on GPU; wall time on CPU), peak memory allocated by one call above
-what was allocated before it, and effective bandwidth (bytes read + written per call over the
-device time) as a fraction of ``copy``'s in the same run.
+Columns: host time per call (the Python + launch cost, with the device idle when the call
+starts); device time P50/P90: CUDA events around the call, with a spin kernel queued first so
+that the host has launched everything before the GPU reaches the start event (the op's GPU
+execution alone; on CPU the wall time); ``vs fbgemm+sum`` compares device times; peak memory
+allocated by one call above what was allocated before it; effective bandwidth (bytes read +
+written per call over the device time) as a fraction of ``copy``'s in the same run.
 """
 
 from __future__ import annotations
@@ -91,26 +93,33 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_SPIN_CYCLES = 4_000_000  # ~2 ms at H100 clocks: longer than any host time measured here
+
+
 def measure_once(fn: Callable[[], object], device: str) -> tuple[float, float, int]:
     """(host ms, device ms, peak bytes allocated above the start) of one call."""
     sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        host = (time.perf_counter() - t0) * 1e3
+        return host, host, 0
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     result = fn()
     host = (time.perf_counter() - t0) * 1e3
-    if device == "cuda":
-        end.record()
-        end.synchronize()
-        dev = start.elapsed_time(end)
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        dev, peak = host, 0
+    end.synchronize()
+    torch.cuda.synchronize()
     del result
-    return host, dev, peak
+    torch.cuda._sleep(_SPIN_CYCLES)  # the GPU is busy while the host queues the call
+    start.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return host, start.elapsed_time(end), peak
 
 
 def pct(xs: list[float], q: float) -> float:
