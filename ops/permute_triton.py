@@ -256,7 +256,7 @@ def permute_into(
     per_row = triton.cdiv(triton.cdiv(max(n, 1), T_out), COPY_BLOCK)
     programs_per_row = max(1, min(per_row, triton.cdiv(TARGET_PROGRAMS, T_out), 65535))
     if mode == _ONE_LAUNCH:  # every program re-reads the lengths before its row: bound the reads
-        programs_per_row = min(programs_per_row, max(1, ONE_LAUNCH_MAX_READS // (T_out * T * B)))
+        programs_per_row = min(programs_per_row, max(1, ONE_LAUNCH_MAX_READS // max(1, T_out * T * B)))
     _copy_kernel[(T_out, programs_per_row)](
         permute, sums, src_start, out_start, status, lengths_out,
         values,
