@@ -48,19 +48,14 @@ def main() -> None:
     cp = device_ms(lambda: dst.copy_(src))
     print(f"{a.shape}: fbgemm+sum {fb:.3f} ms, copy {cp:.3f} ms")
     rows = []
-    configs = itertools.product(
-        [0, 1 << 22, 1 << 24, 1 << 26], [512, 1024, 2048], [4, 8, 16], [2048]
-    )
-    for one_launch, block, warps, target in configs:
-        permute_triton.ONE_LAUNCH_MAX_READS = one_launch
-        permute_triton.COPY_BLOCK, permute_triton.COPY_WARPS = block, warps
+    for block, warps, target in itertools.product([512, 1024, 2048, 4096], [4, 8, 16], [1024, 2048, 4096]):
+        permute_triton.COPY_LONG_ROWS = permute_triton.COPY_SHORT_ROWS = (block, warps)
         permute_triton.TARGET_PROGRAMS = target
         ms = device_ms(lambda: recpipe.ops.permute_2D_sparse_data(*args, x.n, lo, vo, wo))
-        rows.append((ms, one_launch, block, warps, target))
-    for ms, one_launch, block, warps, target in sorted(rows)[:12]:
-        print(f"one-launch reads<={one_launch:9d} BLOCK={block:5d} warps={warps:2d} "
-              f"programs={target:5d}: {ms:.3f} ms ({ms / fb:.2f}x fbgemm, "
-              f"{x.bytes_moved / ms / (x.bytes_moved / cp):.0%} of copy)")
+        rows.append((ms, block, warps, target))
+    for ms, block, warps, target in sorted(rows)[:12]:
+        print(f"BLOCK={block:5d} warps={warps:2d} programs={target:5d}: {ms:.3f} ms "
+              f"({ms / fb:.2f}x fbgemm, {x.bytes_moved / ms / (x.bytes_moved / cp):.0%} of copy)")
 
 
 if __name__ == "__main__":

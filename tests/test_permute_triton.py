@@ -24,15 +24,10 @@ else:
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
 
 
-@pytest.fixture(params=["one_launch", "fused", "offsets"])
+@pytest.fixture(params=["fused", "offsets"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force one of the three ways the copy kernel finds its row starts."""
-    big, never = 1 << 62, -1
-    one, fused = {"one_launch": (big, big), "fused": (never, big), "offsets": (never, never)}[
-        request.param
-    ]
-    monkeypatch.setattr(permute_triton, "ONE_LAUNCH_MAX_READS", one)
-    monkeypatch.setattr(permute_triton, "FUSED_MAX_ROWS", fused)
+    """Force one of the two ways the copy kernel finds its row starts."""
+    monkeypatch.setattr(permute_triton, "FUSED_MAX_ROWS", 1 << 62 if request.param == "fused" else -1)
     return request.param
 
 
