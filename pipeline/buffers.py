@@ -1,0 +1,126 @@
+"""Where the pipeline's permute outputs live, and how their streams are ordered.
+
+Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (shared/DESIGN.md):
+
+- :func:`main_stream_allocator` (P2, the recat in ``dist_init``): the buffers come from the
+  **main** stream's pool, so they are reusable as soon as main drops the KJT, with no
+  ``record_stream``. The data_dist stream waits on an event recorded on main after the
+  allocation (a block handed to main may still be read by main's queued kernels).
+- :class:`BufferRing` (P1, the feature-order permute in ``input_dist``): pipeline-owned buffers,
+  one slot per batch in flight. A slot is written on data_dist only after an event recorded on
+  main at the end of the step that last used it, a step earlier, so the wait costs nothing and
+  no host sync on data_dist ever waits for main's queued work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from recpipe.kjt import Allocator, PermuteBuffers, PermuteSpec, allocate
+
+_HEADROOM = 8  # grow value buffers to 1 + 1/8 of what a batch needs: regrowth stays rare
+
+
+def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
+    """Allocate on ``main``; order the current (data_dist) stream after the allocation.
+
+    The returned buffers belong to main's pool: the caller keeps a Python reference until the
+    main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
+    ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
+    """
+
+    def alloc(spec: PermuteSpec) -> PermuteBuffers:
+        if main is None:
+            return allocate(spec)
+        with torch.cuda.stream(main):
+            buffers = allocate(spec)
+            allocated = torch.cuda.Event()
+            allocated.record(main)
+        torch.cuda.current_stream(main.device).wait_event(allocated)
+        return buffers
+
+    return alloc
+
+
+@dataclass
+class _Slot:
+    buffers: list[PermuteBuffers] = field(default_factory=list)  # one per permute of a batch
+    owner: int | None = None  # index of the batch that last wrote this slot
+    released: torch.cuda.Event | bool = True  # event on main after the owner's last use
+
+
+class BufferRing:
+    """Pipeline-owned P1 output buffers: ``depth`` slots, batch ``i`` uses slot ``i % depth``.
+
+    Contract: the pipeline calls :meth:`allocator` on the data_dist stream for each batch's
+    input dist, and :meth:`release` on the main stream once the batch's forward, backward and
+    optimizer step are queued (its last use of the slot; on several ranks main has by then
+    waited on data_dist, so the all-to-all reads of the slot are covered too).
+    """
+
+    def __init__(self, main: torch.cuda.Stream | None, depth: int = 2) -> None:
+        self._main = main
+        self._slots = [_Slot() for _ in range(depth)]
+
+    def allocator(self, batch_index: int) -> Allocator:
+        """An allocator handing out batch ``batch_index``'s k-th buffers on its k-th call."""
+        slot = self._slots[batch_index % len(self._slots)]
+        calls = 0
+
+        def alloc(spec: PermuteSpec) -> PermuteBuffers:
+            nonlocal calls
+            k, calls = calls, calls + 1
+            if slot.owner != batch_index:
+                self._wait_released(slot)
+                slot.owner, slot.released = batch_index, False
+            if k == len(slot.buffers):
+                slot.buffers.append(_grown(spec))
+            elif not slot.buffers[k].fits(spec):
+                slot.buffers[k] = _grown(spec)  # the old block's last reader is waited on
+            return slot.buffers[k]
+
+        return alloc
+
+    def release(self, batch_index: int) -> None:
+        """Batch ``batch_index`` is done with its slot once main's queued work completes."""
+        slot = self._slots[batch_index % len(self._slots)]
+        if slot.owner != batch_index:
+            return
+        if self._main is None:
+            slot.released = True
+        else:
+            event = torch.cuda.Event()
+            event.record(self._main)
+            slot.released = event
+
+    def _wait_released(self, slot: _Slot) -> None:
+        current = None if self._main is None else torch.cuda.current_stream(self._main.device)
+        if isinstance(slot.released, torch.cuda.Event):
+            current.wait_event(slot.released)
+        elif not slot.released and current is not None:
+            # The last owner was never released (a batch dropped without finishing): order
+            # after everything main has queued. Correct, if slow; does not happen in progress().
+            current.wait_stream(self._main)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for slot in self._slots
+            for b in slot.buffers
+            for t in (b.lengths, b.values, b.weights)
+            if t is not None
+        )
+
+
+def _grown(spec: PermuteSpec) -> PermuteBuffers:
+    """Buffers for ``spec`` with headroom on the values, allocated on the current stream."""
+    n = spec.num_values + spec.num_values // _HEADROOM
+    return allocate(
+        PermuteSpec(
+            spec.lengths_shape, spec.lengths_dtype, n, spec.values_dtype, spec.weights_dtype,
+            spec.device,
+        )
+    )

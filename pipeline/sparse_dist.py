@@ -1,0 +1,122 @@
+"""``TrainPipelineSparseDist`` with the KJT permutes written into memory that is reusable on time.
+
+A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
+where the two permutes of the sparse input distribution write (shared/DESIGN.md):
+
+- P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
+  pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight.
+- P2, the recat permute in ``dist_init`` (world size > 1, data_dist stream, inside the
+  pipelined forward): into buffers allocated on the main stream
+  (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
+
+Neither needs ``record_stream`` (torchrec still calls it on the KJT; for main-stream memory it is
+a no-op, and ring memory is never freed while in use). Everything else is torchrec's code path,
+so the losses are bit-identical: recpipe's permute gives fbgemm's results exactly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.train_pipelines import (
+    TrainPipelineSparseDist as _TorchrecTrainPipelineSparseDist,
+)
+from torchrec.distributed.types import Awaitable
+
+from recpipe.kjt import PermuteInto
+from recpipe.pipeline.buffers import BufferRing, main_stream_allocator
+from recpipe.pipeline.compat import clears_data_dist_inputs, dist_init_on_main_stream
+
+
+class _PermuteOnMain(Awaitable[Any]):
+    """Waits ``inner`` with its KJT permutes (``dist_init``) writing into main-stream memory."""
+
+    def __init__(self, inner: Awaitable[Any], main: torch.cuda.Stream | None, counts: Counter) -> None:
+        super().__init__()
+        self._inner = inner
+        self._main = main
+        self._counts = counts
+
+    def _wait_impl(self) -> Any:
+        mode = PermuteInto(main_stream_allocator(self._main))
+        with mode:
+            result = self._inner.wait()
+        self._counts["dist_init"] += mode.calls
+        return result
+
+
+class RecpipePipelinedForward(PipelinedForward):
+    """torchrec's ``PipelinedForward`` whose input-dist wait permutes into main-stream memory.
+
+    Streams: called on main; torchrec then waits the request on data_dist, makes main wait on
+    data_dist and calls ``record_stream(main)`` on the result (a no-op for these buffers).
+    """
+
+    counts: Counter = Counter()  # replaced per pipeline by TrainPipelineSparseDist
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Awaitable:
+        requests = self._context.input_dist_tensors_requests
+        if self._name in requests and not dist_init_on_main_stream():
+            main = torch.cuda.current_stream(self._stream.device) if self._stream else None
+            requests[self._name] = _PermuteOnMain(requests[self._name], main, self.counts)
+        return super().__call__(*input, **kwargs)
+
+
+class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
+    """torchrec's ``TrainPipelineSparseDist``, with the sparse permutes' outputs in memory that
+    the allocator can reuse on time (see the module docstring). Same arguments and behaviour.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        main = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        self._ring = BufferRing(main)
+        self._use_ring = not clears_data_dist_inputs(self)
+        #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
+        self.redirected: Counter = Counter()
+        # This pipeline's own forward class, so that counts stay per pipeline.
+        self._pipelined_forward_type = type(
+            "RecpipePipelinedForward", (RecpipePipelinedForward,), {"counts": self.redirected}
+        )
+
+    def _init_pipelined_modules(self, batch: Any, context: Any, *args: Any, **kwargs: Any) -> None:
+        with self._ring_permutes(context.index):
+            super()._init_pipelined_modules(batch, context, *args, **kwargs)
+
+    def start_sparse_data_dist(self, batch: Any, context: Any) -> None:
+        with self._ring_permutes(context.index):
+            super().start_sparse_data_dist(batch, context)
+
+    def _ring_permutes(self, batch_index: int) -> PermuteInto | nullcontext:
+        if not self._use_ring:
+            return nullcontext()
+        return _Counted(PermuteInto(self._ring.allocator(batch_index)), self.redirected)
+
+    def dequeue_batch(self) -> None:
+        # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
+        self._ring.release(self.contexts[0].index)
+        super().dequeue_batch()
+
+    @property
+    def ring_nbytes(self) -> int:
+        """Bytes held by the pipeline-owned P1 buffers."""
+        return self._ring.nbytes
+
+
+class _Counted:
+    """Enters a :class:`PermuteInto` and adds its redirected calls to ``counts["input_dist"]``."""
+
+    def __init__(self, mode: PermuteInto, counts: Counter) -> None:
+        self._mode = mode
+        self._counts = counts
+
+    def __enter__(self) -> None:
+        self._mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._counts["input_dist"] += self._mode.calls

@@ -1,0 +1,242 @@
+"""A small DLRM-style model on synthetic KJT batches: for tests, benchmarks and the training script.
+
+The model has the three kinds of sparse module whose input dist permutes KJTs: an unweighted
+``EmbeddingBagCollection``, a weighted one, and an ``EmbeddingCollection`` (sequence features,
+sum-pooled here). Batches are :class:`Batch`, a ``Pipelineable`` with one KJT per module.
+Ids follow a Zipf law; the number of ids per sample varies uniformly around ``pooling``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+
+@dataclass
+class ModelSpec:
+    """Sizes of the synthetic model and its data (per rank)."""
+
+    num_tables: int = 4  # per sparse module
+    rows: int = 1000
+    dim: int = 16
+    dense_in: int = 13
+    batch_size: int = 32
+    pooling: int = 4  # mean ids per sample and feature
+    zipf: float = 1.1
+    weighted: bool = True  # add the weighted EmbeddingBagCollection
+    sequence: bool = True  # add the EmbeddingCollection
+
+    def modules(self) -> dict[str, str]:
+        """Sparse module name -> feature-name prefix."""
+        out = {"ebc": "f"}
+        if self.weighted:
+            out["wbc"] = "w"
+        if self.sequence:
+            out["ec"] = "s"
+        return out
+
+    def tables(self, module: str) -> list[str]:
+        return [f"{module}_t{i}" for i in range(self.num_tables)]
+
+    def features(self, module: str) -> list[str]:
+        prefix = self.modules()[module]
+        return [f"{prefix}{i}" for i in range(self.num_tables)]
+
+
+@dataclass
+class Batch(Pipelineable):
+    """One rank's batch: dense features, one KJT per sparse module, labels."""
+
+    dense: torch.Tensor
+    sparse: dict[str, KeyedJaggedTensor]
+    labels: torch.Tensor
+    _unused: list = field(default_factory=list)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            {k: v.to(device, non_blocking=non_blocking) for k, v in self.sparse.items()},
+            self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.dense.record_stream(stream)
+        self.labels.record_stream(stream)
+        for kjt in self.sparse.values():
+            kjt.record_stream(stream)
+
+    def pin_memory(self) -> "Batch":
+        return Batch(
+            self.dense.pin_memory(),
+            {k: v.pin_memory() for k, v in self.sparse.items()},
+            self.labels.pin_memory(),
+        )
+
+
+class SparseArch(nn.Module):
+    """The sparse modules; returns one pooled ``[B, num_tables * dim]`` tensor per module."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        bags = {
+            name: EmbeddingBagCollection(
+                [
+                    EmbeddingBagConfig(
+                        name=t, embedding_dim=spec.dim, num_embeddings=spec.rows,
+                        feature_names=[f],
+                    )
+                    for t, f in zip(spec.tables(name), spec.features(name))
+                ],
+                is_weighted=name == "wbc",
+                device=device,
+            )
+            for name in spec.modules()
+            if name != "ec"
+        }
+        self.ebc = bags["ebc"]
+        self.wbc = bags.get("wbc")
+        self.ec = None
+        if spec.sequence:
+            self.ec = EmbeddingCollection(
+                [
+                    EmbeddingConfig(
+                        name=t, embedding_dim=spec.dim, num_embeddings=spec.rows,
+                        feature_names=[f],
+                    )
+                    for t, f in zip(spec.tables("ec"), spec.features("ec"))
+                ],
+                device=device,
+            )
+
+    def forward(self, sparse: dict[str, KeyedJaggedTensor]) -> list[torch.Tensor]:
+        out = [self.ebc(sparse["ebc"]).values()]
+        if self.wbc is not None:
+            out.append(self.wbc(sparse["wbc"]).values())
+        if self.ec is not None:
+            out.append(_sum_pool(self.ec(sparse["ec"]), self.spec.features("ec")))
+        return out
+
+
+@torch.fx.wrap
+def _sum_pool(jts: dict, features: list[str]) -> torch.Tensor:
+    """Sum-pool each sequence feature's embeddings per sample: ``[B, len(features) * dim]``."""
+    pooled = []
+    for f in features:
+        jt = jts[f]
+        lengths = jt.lengths()
+        segments = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        values = jt.values()
+        pooled.append(
+            torch.zeros(lengths.numel(), values.shape[1], device=values.device, dtype=values.dtype)
+            .index_add(0, segments, values)
+        )
+    return torch.cat(pooled, dim=1)
+
+
+class Model(nn.Module):
+    """Dense MLP + sparse arch + over-arch; ``forward(batch) -> (loss, (loss, logits, labels))``
+    as ``TrainPipelineSparseDist`` expects."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(spec, device)
+        width = spec.dim * spec.num_tables * len(spec.modules())
+        self.dense_arch = nn.Sequential(nn.Linear(spec.dense_in, spec.dim), nn.ReLU()).to(device)
+        self.over_arch = nn.Sequential(
+            nn.Linear(width + spec.dim, 64), nn.ReLU(), nn.Linear(64, 1)
+        ).to(device)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        x = torch.cat([self.dense_arch(batch.dense), *self.sparse_arch(batch.sparse)], dim=1)
+        logits = self.over_arch(x).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def _zipf_ids(n: int, rows: int, a: float, g: torch.Generator) -> torch.Tensor:
+    """``n`` ids in ``[0, rows)`` with P(id = k) ~ 1 / (k + 1)^a."""
+    weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** a
+    return torch.multinomial(weights, n, replacement=True, generator=g)
+
+
+def make_batch(spec: ModelSpec, seed: int, empty: bool = False) -> Batch:
+    """A CPU batch, deterministic in ``seed``; ``empty`` gives all-zero lengths."""
+    g = torch.Generator().manual_seed(seed)
+    B = spec.batch_size
+    sparse = {}
+    for module in spec.modules():
+        keys = spec.features(module)
+        lengths = torch.randint(0, 2 * spec.pooling + 1, (len(keys) * B,), generator=g)
+        if empty:
+            lengths.zero_()
+        n = int(lengths.sum())
+        weights = torch.rand(n, generator=g) if module == "wbc" else None
+        sparse[module] = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys,
+            values=_zipf_ids(n, spec.rows, spec.zipf, g) if n else torch.zeros(0, dtype=torch.int64),
+            lengths=lengths,
+            weights=weights,
+        )
+    dense = torch.randn(B, spec.dense_in, generator=g)
+    labels = (torch.rand(B, generator=g) < 0.3).float()
+    return Batch(dense, sparse, labels)
+
+
+def batches(spec: ModelSpec, steps: int, rank: int, seed: int = 0, empty_at: int = -1) -> Iterator[Batch]:
+    """``steps`` batches for ``rank``; batch ``empty_at`` has no ids at all."""
+    for step in range(steps):
+        yield make_batch(spec, seed * 1_000_003 + rank * 10_007 + step, empty=step == empty_at)
+
+
+def build_sharded(
+    spec: ModelSpec,
+    sharding_types: list[str],
+    device: torch.device,
+    pg: "torch.distributed.ProcessGroup",
+    lr: float = 0.05,
+    seed: int = 0,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``DistributedModelParallel(Model(spec))`` with table ``i`` of each module sharded as
+    ``sharding_types[i % len(sharding_types)]`` (mixing types makes the input dist permute the
+    features), fused SGD on the tables and SGD on the dense part. Deterministic in ``seed``."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(seed)
+    model = Model(spec, device)
+    apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": lr})
+    constraints = {
+        table: ParameterConstraints(sharding_types=[sharding_types[i % len(sharding_types)]])
+        for module in spec.modules()
+        for i, table in enumerate(spec.tables(module))
+    }
+    world = pg.size()
+    topology = Topology(world_size=world, compute_device=device.type, local_world_size=world)
+    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        model, sharders, pg
+    )
+    dmp = DistributedModelParallel(
+        module=model, device=device, plan=plan, sharders=sharders,
+        env=ShardingEnv.from_process_group(pg),
+    )
+    optimizer = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=lr),
+    )
+    return dmp, optimizer

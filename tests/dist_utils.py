@@ -1,0 +1,56 @@
+"""Run a function on N local ranks (gloo on CPU, NCCL on GPUs), collecting return values."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        queue.put((rank, fn(rank, world, device, *args), None))
+    except BaseException:  # report, don't hang the parent
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
+    """``[fn(rank, world, device, *args) for rank in range(world)]``, one process per rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    for _ in procs:
+        rank, value, err = queue.get(timeout=600)
+        results[rank] = value
+        if err:
+            errors.append(f"rank {rank}:\n{err}")
+    for p in procs:
+        p.join(timeout=60)
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world)]
