@@ -162,9 +162,10 @@ class Model(nn.Module):
 
 
 def _zipf_ids(n: int, rows: int, a: float, g: torch.Generator) -> torch.Tensor:
-    """``n`` ids in ``[0, rows)`` with P(id = k) ~ 1 / (k + 1)^a."""
-    weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** a
-    return torch.multinomial(weights, n, replacement=True, generator=g)
+    """``n`` ids in ``[0, rows)`` with P(id = k) ~ 1 / (k + 1)^a (inverse-CDF sampling)."""
+    cdf = torch.cumsum(1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** a, 0)
+    u = torch.rand(n, generator=g, dtype=torch.float64) * cdf[-1]
+    return torch.searchsorted(cdf, u).clamp_(max=rows - 1)
 
 
 def make_batch(spec: ModelSpec, seed: int, empty: bool = False) -> Batch:

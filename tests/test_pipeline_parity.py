@@ -51,6 +51,13 @@ if GPU2:
     SHARDINGS.update(row_wise=["row_wise"], mixed_tw_rw_cw=["table_wise", "row_wise", "column_wise"])
 
 
+def test_single_rank_feature_permute_bit_identical() -> None:
+    """World size 1: only the feature-order permute (P1, into the ring) runs."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
+    assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+    assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
+
+
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
 def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
     results = run_ranks(2, _train, SHARDINGS[sharding], STEPS)
