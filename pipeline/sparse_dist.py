@@ -71,10 +71,14 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     the allocator can reuse on time (see the module docstring). Same arguments and behaviour.
     """
 
+    #: P1 ring slots: 2 = one per batch in flight (the batch in compute and the next one), the
+    #: fewest possible; 3 makes the slot wait two steps old instead of one, for 1 batch more memory.
+    ring_depth: int = 2
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         main = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
-        self._ring = BufferRing(main)
+        self._ring = BufferRing(main, self.ring_depth)
         self._use_ring = not clears_data_dist_inputs(self)
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
         self.redirected: Counter = Counter()
