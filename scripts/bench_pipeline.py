@@ -28,6 +28,7 @@ from itertools import cycle, islice
 
 import torch
 import torch.distributed as dist
+from torch.cuda import _sanitizer
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
@@ -90,7 +91,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps) -> dict:
         retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
         # allocated memory from mid-run to the last step before the pipeline drains
         growth=(allocated[-3] - allocated[mid]) / 2**20,
-        sanitizer=bool(torch.cuda._sanitizer.cuda_sanitizer.enabled),
+        sanitizer=bool(_sanitizer.cuda_sanitizer.enabled),
     )
 
 
