@@ -20,7 +20,7 @@ import torch
 
 from recpipe.kjt import Allocator, PermuteBuffers, PermuteSpec, allocate
 
-_HEADROOM = 8  # grow value buffers to 1 + 1/8 of what a batch needs: regrowth stays rare
+_HEADROOM = 64  # value buffers get 1/64 more than a batch needs: regrowth stays rare
 
 
 def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
@@ -60,7 +60,7 @@ class BufferRing:
     waited on data_dist, so the all-to-all reads of the slot are covered too).
     """
 
-    def __init__(self, main: torch.cuda.Stream | None, depth: int = 2) -> None:
+    def __init__(self, main: torch.cuda.Stream | None, depth: int) -> None:
         self._main = main
         self._slots = [_Slot() for _ in range(depth)]
 
