@@ -19,11 +19,3 @@ def clears_data_dist_inputs(pipeline: object) -> bool:
     """torchrec >= 1.8's ``clear_data_dist_inputs`` frees the all-to-all inputs' storage in
     place (``storage().resize_(0)``), which a pipeline-owned ring must not see."""
     return bool(getattr(pipeline, "_clear_data_dist_inputs", False))
-
-
-def keep_output_dist_request(context: object, name: str, awaitable: object) -> None:
-    """torchrec 1.6's ``PipelinedForward`` stores the output-dist awaitable in the context
-    (``output_dist_embeddings_requests``); 1.8's context has no such field."""
-    requests = getattr(context, "output_dist_embeddings_requests", None)
-    if requests is not None:
-        requests[name] = awaitable
