@@ -71,11 +71,15 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     the allocator can reuse on time (see the module docstring). Same arguments and behaviour.
     """
 
-    #: P1 ring slots, one per batch in flight. With 2, the slot of batch i+1 is the one batch i-1
-    #: used, so data_dist's input dist of batch i+1 waits for main to finish step i-1, and main's
-    #: next wait on data_dist serializes the two streams: measured on 1 H100 (large config),
-    #: 38.7 ms/iter against torchrec's 31.7 (peak reserved -2840 MiB). With 3 the wait is two
-    #: steps old and free: 31.6 ms/iter (peak reserved +364 MiB with 1/8 headroom per slot).
+    #: P1 ring slots, one per batch in flight (host ahead of the GPU: the batch whose step is
+    #: still running, the batch in compute, the next one). The slot of batch i+1 is the one
+    #: batch i+1-depth used, so data_dist's input dist of batch i+1 first waits for main to
+    #: finish that batch's step. Measured on 1 H100 (large config, 1 GiB of KJTs per batch,
+    #: 3 alternating runs each): torchrec 31.7 ms/iter, peak reserved 22092 MiB; depth 3:
+    #: 31.6 ms/iter, 22456 MiB (with 1/8 headroom per slot, now 1/64); depth 2: 38.7 ms/iter,
+    #: 19252 MiB, i.e. 3 GiB less but 22% slower: data_dist then waits for step i-1 and main
+    #: for data_dist (also when main waited on a per-batch event instead of the whole stream:
+    #: 41.1 ms/iter), so the cause is a host sync or wait not yet found.
     ring_depth: int = 3
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
