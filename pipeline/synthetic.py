@@ -204,10 +204,12 @@ def build_sharded(
     pg: "torch.distributed.ProcessGroup",
     lr: float = 0.05,
     seed: int = 0,
+    optimizer: str = "sgd",
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``DistributedModelParallel(Model(spec))`` with table ``i`` of each module sharded as
     ``sharding_types[i % len(sharding_types)]`` (mixing types makes the input dist permute the
-    features), fused SGD on the tables and SGD on the dense part. Deterministic in ``seed``."""
+    features); ``optimizer`` (sgd | adagrad) fused into the tables' backward and on the dense
+    part. Deterministic in ``seed``."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -218,9 +220,10 @@ def build_sharded(
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+    opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[optimizer]
     torch.manual_seed(seed)
     model = Model(spec, device)
-    apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": lr})
+    apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), {"lr": lr})
     constraints = {
         table: ParameterConstraints(sharding_types=[sharding_types[i % len(sharding_types)]])
         for module in spec.modules()
@@ -238,6 +241,6 @@ def build_sharded(
     )
     optimizer = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.SGD(params, lr=lr),
+        lambda params: opt_cls(params, lr=lr),
     )
     return dmp, optimizer
