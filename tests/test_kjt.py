@@ -1,0 +1,111 @@
+"""recpipe.kjt: KJT permutes into given buffers; the scoped redirect of torchrec's permutes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.kjt import PermuteInto, allocate, kjt_permute_spec, permute_kjt
+from recpipe.pipeline.buffers import BufferRing
+
+
+def _kjt(weighted: bool = True, seed: int = 0) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 5, (4 * 3,), generator=g)
+    n = int(lengths.sum())
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b", "c", "d"],
+        values=torch.randint(0, 1000, (n,), generator=g),
+        lengths=lengths,
+        weights=torch.rand(n, generator=g) if weighted else None,
+    )
+
+
+def _same(x: KeyedJaggedTensor, y: KeyedJaggedTensor) -> None:
+    assert x.keys() == y.keys() and x.stride() == y.stride()
+    assert x.length_per_key() == y.length_per_key()
+    assert torch.equal(x.lengths(), y.lengths()) and torch.equal(x.values(), y.values())
+    assert (x.weights_or_none() is None) == (y.weights_or_none() is None)
+    if x.weights_or_none() is not None:
+        assert torch.equal(x.weights(), y.weights())
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("indices", [[3, 1, 0, 2], [2, 2, 0], [1]])
+def test_permute_kjt_matches_torchrec_in_the_buffers(weighted: bool, indices: list[int]) -> None:
+    kjt = _kjt(weighted)
+    buffers = allocate(kjt_permute_spec(kjt, indices))
+    out = permute_kjt(kjt, indices, buffers)
+    _same(out, kjt.permute(indices))
+    assert out.values().data_ptr() == buffers.values.data_ptr()
+    assert out.lengths().data_ptr() == buffers.lengths.data_ptr()
+    if weighted:
+        assert out.weights().data_ptr() == buffers.weights.data_ptr()
+
+
+def test_permute_kjt_rejects_small_buffers() -> None:
+    kjt = _kjt()
+    spec = kjt_permute_spec(kjt, [0, 1, 2, 3])
+    buffers = allocate(spec)
+    buffers.values = buffers.values[:-1]
+    with pytest.raises(ValueError, match="too small"):
+        permute_kjt(kjt, [0, 1, 2, 3], buffers)
+
+
+def test_mode_redirects_only_sized_2d_permutes_and_passes_the_rest() -> None:
+    kjt = _kjt()
+    handed_out = []
+
+    def alloc(spec):
+        handed_out.append(allocate(spec))
+        return handed_out[-1]
+
+    mode = PermuteInto(alloc)
+    with mode:
+        out = kjt.permute([2, 0])  # torchrec passes permuted_lengths_sum: redirected
+        unsized = torch.ops.fbgemm.permute_2D_sparse_data(  # no size: left to fbgemm
+            torch.tensor([1, 0], dtype=torch.int32), kjt.lengths().view(4, -1), kjt.values()
+        )
+        other = torch.add(torch.ones(2), 1)  # anything else: untouched
+    assert mode.calls == 1 and len(handed_out) == 1
+    assert out.values().data_ptr() == handed_out[0].values.data_ptr()
+    _same(out, kjt.permute([2, 0]))
+    assert unsized[0].shape == (2, 3) and torch.equal(other, torch.full((2,), 2.0))
+
+
+def test_mode_is_scoped_to_its_thread() -> None:
+    kjt = _kjt()
+    calls = []
+    seen_in_thread = []
+
+    def other_thread():
+        kjt.permute([1, 0])  # must not reach the mode of the main thread
+        seen_in_thread.append(len(calls))
+
+    with PermuteInto(lambda spec: calls.append(spec) or allocate(spec)):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert seen_in_thread == [0] and calls == []
+
+
+def test_ring_reuses_slots_per_batch_and_grows_when_needed() -> None:
+    ring = BufferRing(main=None, depth=2)
+    small, big = _kjt(seed=1), _kjt(seed=2)
+    spec_small = kjt_permute_spec(small, [0, 1, 2, 3])
+    first = ring.allocator(0)(spec_small)
+    ring.release(0)
+    again = ring.allocator(2)(spec_small)  # batch 2 takes batch 0's slot, same buffers
+    assert again.values.data_ptr() == first.values.data_ptr()
+    other = ring.allocator(1)(spec_small)  # batch 1: the other slot
+    assert other.values.data_ptr() != first.values.data_ptr()
+    ring.release(2)
+    larger = kjt_permute_spec(big, [0, 1, 2, 3, 3, 2, 1, 0])  # twice the values
+    grown = ring.allocator(4)(larger)
+    assert grown.fits(larger) and grown.values.numel() >= larger.num_values
+    alloc5 = ring.allocator(5)
+    a, b = alloc5(spec_small), alloc5(spec_small)  # two permutes of one batch: two buffers
+    assert a.values.data_ptr() != b.values.data_ptr()
