@@ -59,13 +59,16 @@ def kjt_bytes(batch) -> int:
     return total
 
 
-def run_once(name, spec, sharding, device, data, warmup, steps) -> dict:
-    """One pipeline on a fresh model for ``warmup + steps`` steps: per-step ms, losses, memory."""
+def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> dict:
+    """One pipeline on a fresh model for ``warmup + steps`` steps: per-step ms, losses, memory.
+    ``prof``: a torch.profiler.profile with a schedule, stepped once per step."""
     cuda = device.type == "cuda"
     model, optimizer = build_sharded(spec, sharding, device, dist.group.WORLD, seed=1)
     pipeline = PIPELINES[name](model, optimizer, device)
     it = iter(islice(cycle(data), warmup + steps))
     losses, times, allocated = [], [], []
+    if prof is not None:
+        prof.start()
     for step in range(warmup + steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,6 +81,10 @@ def run_once(name, spec, sharding, device, data, warmup, steps) -> dict:
         losses.append(loss)
         if step >= warmup:
             times.append((start, end) if cuda else time.perf_counter() - t0)
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
                     reserved=0, retries=0, growth=0)
@@ -112,7 +119,16 @@ def child(a: argparse.Namespace) -> None:
         torch.save(data, path)
     if cuda:
         data = [b.pin_memory() for b in data]
-    res = run_once(a.run_one, spec, a.sharding.split(","), device, data, a.warmup, a.steps)
+    prof = None
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       schedule=schedule(wait=a.warmup, warmup=1, active=3, repeat=1))
+    res = run_once(a.run_one, spec, a.sharding.split(","), device, data, a.warmup, a.steps, prof)
+    if prof is not None:
+        os.makedirs(a.profile, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(a.profile, f"{a.run_one}-rank{rank}.json"))
     res.update(kjt_mib=kjt_bytes(data[0]) / 2**20, world=dist.get_world_size(),
                device=torch.cuda.get_device_name() if cuda else "cpu")
     if rank == 0:
@@ -182,6 +198,8 @@ def main() -> None:
     p.add_argument("--distinct-batches", type=int, default=3, help="batches generated, cycled")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "recpipe-bench"))
     p.add_argument("--out", default=None, help="also append the table (markdown) here")
+    p.add_argument("--profile", default=None,
+                   help="write a torch.profiler chrome trace of 3 timed steps per run here")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -195,7 +213,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                  if k in ("config", "sharding", "warmup", "steps", "distinct_batches", "data_dir")
-                 or (k == "batch_size" and v)]
+                 or (k in ("batch_size", "profile") and v)]
     for r in range(a.repeats):
         for i, name in enumerate(names):
             result = os.path.join(a.data_dir, f"result-{name}-{r}.json")
