@@ -16,12 +16,14 @@ all features kept).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import replace
 from itertools import cycle, islice
@@ -47,7 +49,19 @@ class RecpipeRing2(RecpipePipeline):
     ring_depth = 2
 
 
-PIPELINES = {"torchrec": TorchrecPipeline, "recpipe": RecpipePipeline, "recpipe_ring2": RecpipeRing2}
+def _torchrec_early_free(*args, **kwargs):
+    """torchrec's own early-free option, where the installed torchrec has it (>= 1.8)."""
+    if "free_features_storage_early" not in inspect.signature(TorchrecPipeline).parameters:
+        raise SystemExit("torchrec_early_free: this torchrec has no free_features_storage_early")
+    return TorchrecPipeline(*args, free_features_storage_early=True, **kwargs)
+
+
+PIPELINES = {
+    "torchrec": TorchrecPipeline,
+    "torchrec_early_free": _torchrec_early_free,
+    "recpipe": RecpipePipeline,
+    "recpipe_ring2": RecpipeRing2,
+}
 
 
 def kjt_bytes(batch) -> int:
@@ -66,7 +80,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     model, optimizer = build_sharded(spec, sharding, device, dist.group.WORLD, seed=1)
     pipeline = PIPELINES[name](model, optimizer, device)
     it = iter(islice(cycle(data), warmup + steps))
-    losses, times, allocated = [], [], []
+    losses, times, allocated, reserved = [], [], [], []
     if prof is not None:
         prof.start()
     for step in range(warmup + steps):
@@ -78,6 +92,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         if cuda:
             end.record()
             allocated.append(torch.cuda.memory_allocated())
+            reserved.append(torch.cuda.memory_reserved() / 2**20)
         losses.append(loss)
         if step >= warmup:
             times.append((start, end) if cuda else time.perf_counter() - t0)
@@ -87,7 +102,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         prof.stop()
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
-                    reserved=0, retries=0, growth=0)
+                    reserved=0, retries=0, growth=0, reserved_per_step=[])
     torch.cuda.synchronize()
     mid = warmup + steps // 2
     return dict(
@@ -98,6 +113,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
         # allocated memory from mid-run to the last step before the pipeline drains
         growth=(allocated[-3] - allocated[mid]) / 2**20,
+        reserved_per_step=reserved,
         sanitizer=bool(_sanitizer.cuda_sanitizer.enabled),
     )
 
@@ -184,6 +200,26 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
     return "\n".join(rows), same
 
 
+def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
+    """PNG of reserved memory per step, every run of every pipeline (needs matplotlib: on a
+    machine without it, re-plot later from the ``--json`` file with ``--replot``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for color, (name, rs) in zip(("tab:red", "tab:blue", "tab:green", "tab:orange"), runs.items()):
+        for i, r in enumerate(rs):
+            ax.plot(r["reserved_per_step"], color=color, alpha=0.7, label=name if i == 0 else None)
+    ax.set_xlabel("step (warm-up included)")
+    ax.set_ylabel("torch.cuda.memory_reserved (MiB)")
+    ax.set_title(textwrap.fill(title, 110), fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="small", choices=sorted(CONFIGS))
@@ -200,6 +236,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also append the table (markdown) here")
     p.add_argument("--profile", default=None,
                    help="write a torch.profiler chrome trace of 3 timed steps per run here")
+    p.add_argument("--json", default=None, help="write all runs' numbers here")
+    p.add_argument("--plot", default=None, help="write a PNG of reserved memory per step here")
+    p.add_argument("--replot", default=None, help="only re-plot a --json file into --plot")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -207,6 +246,10 @@ def main() -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if a.run_one:
         return child(a)
+    if a.replot:
+        with open(a.replot) as f:
+            saved = json.load(f)
+        return plot(saved["runs"], a.plot, saved["title"])
     os.makedirs(a.data_dir, exist_ok=True)
     names = a.pipelines.split(",")
     print(f"bench_pipeline: {a.config} {config(a)}, {a.nproc} process(es)", flush=True)
@@ -233,6 +276,15 @@ def main() -> None:
     if a.out:
         with open(a.out, "a") as f:
             f.write(text + "\n")
+    title = text.strip().splitlines()[0].lstrip("# ")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"title": title, "runs": runs}, f)
+    if a.plot:
+        try:
+            plot(runs, a.plot, title)
+        except ImportError:
+            print(f"no matplotlib here: re-plot with --replot {a.json or '<--json file>'} --plot {a.plot}")
     if not same:
         raise SystemExit("losses differ between pipelines")
 

@@ -15,7 +15,7 @@ pip install -q --disable-pip-version-check torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
 pip install -q --disable-pip-version-check torch==2.13.0 \
   tensordict==0.15.3 pyre-extensions torchmetrics==1.0.3 tqdm iopath \
-  hydra-core==1.3.8 omegaconf==2.3.1 triton==3.9.0 \
+  hydra-core==1.3.8 omegaconf==2.3.1 triton==3.9.0 matplotlib \
   pytest pytest-xdist pytest-timeout "hypothesis>=6.100"
 pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import torch, fbgemm_gpu, torchrec, recpipe.ops; print('recpipe venv ready: torch', torch.__version__)"
