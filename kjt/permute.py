@@ -35,16 +35,6 @@ class PermuteSpec:
     weights_dtype: torch.dtype | None
     device: torch.device
 
-    @property
-    def nbytes(self) -> int:
-        n = self.num_values * torch.empty((), dtype=self.values_dtype).element_size()
-        if self.weights_dtype is not None:
-            n += self.num_values * torch.empty((), dtype=self.weights_dtype).element_size()
-        numel = 1
-        for s in self.lengths_shape:
-            numel *= s
-        return n + numel * torch.empty((), dtype=self.lengths_dtype).element_size()
-
 
 @dataclass
 class PermuteBuffers:

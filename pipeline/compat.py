@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from importlib.metadata import version
-
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
-
-TORCHREC_VERSION: tuple[int, int] = tuple(int(p) for p in version("torchrec").split(".")[:2])
 
 
 def dist_init_on_main_stream() -> bool:

@@ -102,10 +102,11 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         prof.stop()
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
-                    reserved=0, retries=0, growth=0, reserved_per_step=[])
+                    reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0)
     torch.cuda.synchronize()
     mid = warmup + steps // 2
     return dict(
+        ring=getattr(pipeline, "ring_nbytes", 0) / 2**20,  # recpipe's P1 buffers
         ms=[s.elapsed_time(e) for s, e in times],
         losses=[x.item() for x in losses],
         alloc=torch.cuda.max_memory_allocated() / 2**20,
@@ -270,7 +271,8 @@ def main() -> None:
             runs[name].append(res)
             print(f"  run {r + 1}/{a.repeats} {name:9s}: {statistics.median(res['ms']):7.2f} ms/iter"
                   f"  peak alloc {res['alloc']:7.0f} MiB  reserved {res['reserved']:7.0f} MiB"
-                  f"  retries {res['retries']}  alloc growth {res['growth']:+.1f} MiB", flush=True)
+                  f"  retries {res['retries']}  alloc growth {res['growth']:+.1f} MiB"
+                  f"  ring {res['ring']:.0f} MiB", flush=True)
     text, same = table(a, names, runs)
     print(text, flush=True)
     if a.out:
