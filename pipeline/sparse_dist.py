@@ -53,7 +53,8 @@ class RecpipePipelinedForward(PipelinedForward):
     """torchrec's ``PipelinedForward`` whose input-dist wait permutes into main-stream memory.
 
     Streams: called on main; torchrec then waits the request on data_dist, makes main wait on
-    data_dist and calls ``record_stream(main)`` on the result (a no-op for these buffers).
+    data_dist and calls ``record_stream(main)`` on the result (a no-op for main-stream buffers;
+    harmless for the ring's, which are never freed while in use).
     """
 
     counts: Counter = Counter()  # replaced per pipeline by TrainPipelineSparseDist
@@ -94,11 +95,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
             "RecpipePipelinedForward", (RecpipePipelinedForward,), {"counts": self.redirected}
         )
 
-    def _init_pipelined_modules(self, batch: Any, context: Any, *args: Any, **kwargs: Any) -> None:
-        with self._ring_permutes(context.index):
-            super()._init_pipelined_modules(batch, context, *args, **kwargs)
-
     def start_sparse_data_dist(self, batch: Any, context: Any) -> None:
+        # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
+        # from _pipeline_model); on data_dist.
         with self._ring_permutes(context.index):
             super().start_sparse_data_dist(batch, context)
 
