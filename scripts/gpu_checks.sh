@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check of the open issues, for one device call each (logs and tables under $OUT):
+#   bash scripts/gpu_checks.sh permute    # nvidia-h100-x1: CUDA op tests + bench_permute
+#   bash scripts/gpu_checks.sh pipeline   # any GPU count: parity, sanitizer, large bench
+# Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
+set -uo pipefail
+out=${OUT:-/tmp/recpipe-gpu}
+mkdir -p "$out"
+source .devenv/install.sh && source scripts/gpu_env.sh || exit 1
+export PYTHONWARNINGS=ignore
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "gpus: $ngpu ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
+case "${1:-}" in
+  permute)
+    python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_permute_op.py tests/test_permute_triton.py \
+      2>&1 | tee "$out/permute_tests.log" | tail -3
+    python3 scripts/bench_permute.py --shapes small,large 2>&1 | tee "$out/bench_permute.md"
+    ;;
+  pipeline)
+    python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py \
+      2>&1 | tee "$out/parity.log" | tail -3
+    TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
+      --warmup 2 --steps 8 >"$out/csan.log" 2>&1
+    echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \
+      "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan.log")"
+    sharding=table_wise,column_wise
+    [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise
+    python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
+      --json "$out/large.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
+      | grep -E "^  run|^\||vs|identical|^###|rror"
+    ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline" >&2; exit 2 ;;
+esac
