@@ -205,11 +205,13 @@ def build_sharded(
     lr: float = 0.05,
     seed: int = 0,
     optimizer: str = "sgd",
+    data_parallel: object | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``DistributedModelParallel(Model(spec))`` with table ``i`` of each module sharded as
     ``sharding_types[i % len(sharding_types)]`` (mixing types makes the input dist permute the
     features); ``optimizer`` (sgd | adagrad) fused into the tables' backward and on the dense
-    part. Deterministic in ``seed``."""
+    part. ``data_parallel``: a torchrec ``DataParallelWrapper`` for the dense part (default:
+    torchrec's DDP). Deterministic in ``seed``."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -237,7 +239,7 @@ def build_sharded(
     )
     dmp = DistributedModelParallel(
         module=model, device=device, plan=plan, sharders=sharders,
-        env=ShardingEnv.from_process_group(pg),
+        env=ShardingEnv.from_process_group(pg), data_parallel_wrapper=data_parallel,
     )
     optimizer = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),

@@ -41,6 +41,9 @@ class ShardingConfig:
 @dataclass
 class PipelineConfig:
     name: str = "recpipe"  # recpipe | torchrec
+    # dense-gradient all-reduce: ddp (torchrec's default) | funcol (recpipe's bucketed
+    # functional-collective all-reduce) | funcol_compiled (the same through torch.compile)
+    dense_allreduce: str = "ddp"
 
 
 @dataclass
@@ -98,6 +101,8 @@ def validate(cfg: TrainConfig) -> None:
     """Raise ValueError naming the first bad key."""
     _choice("data.schema", cfg.data.schema, ("synthetic", "criteo"))
     _choice("pipeline.name", cfg.pipeline.name, ("recpipe", "torchrec"))
+    _choice("pipeline.dense_allreduce", cfg.pipeline.dense_allreduce,
+            ("ddp", "funcol", "funcol_compiled"))
     _choice("hardware.device", cfg.hardware.device, ("cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("gloo", "nccl"))
     _choice("trainer.optimizer", cfg.trainer.optimizer, ("sgd", "adagrad"))

@@ -21,6 +21,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 from tqdm import tqdm
 
+from recpipe.pipeline.data_parallel import BucketedAllReduce
 from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist as RecpipePipeline
 from recpipe.pipeline.synthetic import Batch, ModelSpec, build_sharded, make_batch
 from recpipe.pipeline.train_config import TrainConfig
@@ -94,9 +95,13 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = cfg.trainer
     spec = model_spec(cfg)
+    allreduce = cfg.pipeline.dense_allreduce
     model, optimizer = build_sharded(
         spec, list(cfg.sharding.types), device, dist.group.WORLD, lr=t.lr, seed=t.seed,
         optimizer=t.optimizer,
+        data_parallel=None if allreduce == "ddp" else BucketedAllReduce(
+            compile=allreduce == "funcol_compiled"
+        ),
     )
     ckpt = t.checkpoint_dir or os.path.join(out_dir, "checkpoint")
     start = load_checkpoint(ckpt, model, optimizer) if t.resume else 0
