@@ -10,8 +10,13 @@ bucket's grads are flattened, summed across ranks, divided by the world size and
 in place, while backward goes on. The reduction runs on the current stream (main), so the
 optimizer, queued after backward, reads reduced grads.
 
-This is the NCCL/gloo path of issue 6; the symmetric-memory kernels are meant to plug in as
-another ``reduce`` function with the same contract.
+With ``symm_mem=True`` (CUDA, NCCL group; compiled), inductor's own collective lowering is
+switched on for the reduction (``_collective.auto_select``, threshold = the bucket size) and
+symmetric memory is enabled for the group: inductor then allocates each bucket's flat gradient
+(a computed input: the ``cat``) in symmetric memory and calls
+``symm_mem.one_shot_all_reduce`` on it, with no extra copy. NOT YET RUN on a GPU: measure it
+with NCCL as the peer before relying on it (issue 6). Multicast stays off
+(``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``); one-shot does not use it.
 """
 
 from __future__ import annotations
@@ -78,13 +83,31 @@ class BucketedAllReduce(DataParallelWrapper):
         bucket_cap_mb: bucket size (DDP's default is 25).
         compile: reduce each bucket through ``torch.compile(fullgraph=True)``.
         reduce: the bucket reduction, :func:`mean_all_reduce` by default.
+        symm_mem: compiled one-shot all-reduce from symmetric memory (see the module docs).
     """
 
     def __init__(
-        self, bucket_cap_mb: float = 25, compile: bool = False, reduce: Reduce = mean_all_reduce
+        self,
+        bucket_cap_mb: float = 25,
+        compile: bool = False,
+        reduce: Reduce = mean_all_reduce,
+        symm_mem: bool = False,
     ) -> None:
         self._cap = int(bucket_cap_mb * 2**20)
-        self._reduce = torch.compile(reduce, fullgraph=True) if compile else reduce
+        self._symm_mem = symm_mem
+        if symm_mem:
+            compiled = torch.compile(reduce, fullgraph=True)
+
+            def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+                with torch._inductor.config.patch(
+                    {"_collective.auto_select": True,
+                     "_collective.one_shot_all_reduce_threshold_bytes": self._cap}
+                ):
+                    return compiled(grads, group)
+
+            self._reduce = reduce
+        else:
+            self._reduce = torch.compile(reduce, fullgraph=True) if compile else reduce
         self._group: dist.ProcessGroup | None = None
         self._checking = False
         self.buckets: list[_Bucket] = []
@@ -110,6 +133,12 @@ class BucketedAllReduce(DataParallelWrapper):
         group = env.process_group
         if group is None:
             raise RuntimeError("BucketedAllReduce needs a ProcessGroup-based ShardingEnv")
+        if self._symm_mem:
+            if device.type != "cuda" or dist.get_backend(group) != "nccl":
+                raise ValueError("BucketedAllReduce(symm_mem=True) needs CUDA and an NCCL group")
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            enable_symm_mem_for_group(group.group_name)
         module = dmp._dmp_wrapped_module
         sharded = set(DistributedModelParallel._sharded_parameter_names(module))
         dense = [p for n, p in module.named_parameters() if n not in sharded and p.requires_grad]

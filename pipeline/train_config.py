@@ -42,7 +42,8 @@ class ShardingConfig:
 class PipelineConfig:
     name: str = "recpipe"  # recpipe | torchrec
     # dense-gradient all-reduce: ddp (torchrec's default) | funcol (recpipe's bucketed
-    # functional-collective all-reduce) | funcol_compiled (the same through torch.compile)
+    # functional-collective all-reduce) | funcol_compiled (the same through torch.compile) |
+    # symm_mem (compiled, one-shot from symmetric memory; CUDA only, not yet measured)
     dense_allreduce: str = "ddp"
 
 
@@ -102,7 +103,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("data.schema", cfg.data.schema, ("synthetic", "criteo"))
     _choice("pipeline.name", cfg.pipeline.name, ("recpipe", "torchrec"))
     _choice("pipeline.dense_allreduce", cfg.pipeline.dense_allreduce,
-            ("ddp", "funcol", "funcol_compiled"))
+            ("ddp", "funcol", "funcol_compiled", "symm_mem"))
     _choice("hardware.device", cfg.hardware.device, ("cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("gloo", "nccl"))
     _choice("trainer.optimizer", cfg.trainer.optimizer, ("sgd", "adagrad"))

@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
         spec, list(cfg.sharding.types), device, dist.group.WORLD, lr=t.lr, seed=t.seed,
         optimizer=t.optimizer,
         data_parallel=None if allreduce == "ddp" else BucketedAllReduce(
-            compile=allreduce == "funcol_compiled"
+            compile=allreduce == "funcol_compiled", symm_mem=allreduce == "symm_mem"
         ),
     )
     ckpt = t.checkpoint_dir or os.path.join(out_dir, "checkpoint")

@@ -2,6 +2,7 @@
 # Every GPU check of the open issues, for one device call each (logs and tables under $OUT):
 #   bash scripts/gpu_checks.sh permute    # nvidia-h100-x1: CUDA op tests + bench_permute
 #   bash scripts/gpu_checks.sh pipeline   # any GPU count: parity, sanitizer, large bench
+#   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: DDP vs funcol (compiled) vs symm_mem
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
 out=${OUT:-/tmp/recpipe-gpu}
@@ -29,5 +30,12 @@ case "${1:-}" in
       --json "$out/large.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline" >&2; exit 2 ;;
+  allreduce)  # needs >= 2 GPUs: losses and samples/s of the dense all-reduce variants
+    for v in ddp funcol_compiled symm_mem; do
+      python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
+        pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=20 \
+        output_dir="$out/allreduce-$v" 2>&1 | tee "$out/allreduce-$v.log" | grep -E "done|rror"
+    done
+    ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline|allreduce" >&2; exit 2 ;;
 esac

@@ -56,3 +56,18 @@ def test_unused_parameter_is_an_error() -> None:
     wrapper._reduce = lambda grads, group: grads
     with pytest.raises(RuntimeError, match="got no gradient"):
         lin(torch.ones(2, 3)).sum().backward()
+
+
+def _symm_mem_on_cpu(rank: int, world: int, device: torch.device) -> str:
+    spec = ModelSpec(weighted=False, sequence=False)
+    try:
+        build_sharded(spec, ["table_wise"], device, torch.distributed.group.WORLD,
+                      data_parallel=BucketedAllReduce(symm_mem=True))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
+def test_symm_mem_needs_cuda_and_nccl() -> None:
+    assert run_ranks(1, _symm_mem_on_cpu) == ["BucketedAllReduce(symm_mem=True) needs CUDA and an NCCL group"]
