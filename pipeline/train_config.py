@@ -120,5 +120,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("trainer.checkpoint_interval", cfg.trainer.checkpoint_interval, zero_ok=True)
     if cfg.model.dim % 4:
         raise ValueError(f"model.dim={cfg.model.dim}: must be a multiple of 4 (fbgemm TBE)")
+    if cfg.pipeline.dense_allreduce == "symm_mem" and cfg.hardware.device != "cuda":
+        raise ValueError("pipeline.dense_allreduce=symm_mem needs hardware=cuda")
     if cfg.hardware.device == "cuda" and cfg.hardware.backend != "nccl":
         raise ValueError("hardware.backend must be nccl with hardware.device=cuda")

@@ -73,6 +73,7 @@ def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
         ("trainer.optimizer=adam", "trainer.optimizer='adam': expected one of sgd, adagrad"),
         ("sharding.types=[diagonal]", "sharding.types='diagonal'"),
         ("trainer.lr=fast", "trainer.lr"),
+        ("pipeline.dense_allreduce=symm_mem", "pipeline.dense_allreduce=symm_mem needs hardware=cuda"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, override: str, message: str) -> None:
