@@ -30,7 +30,9 @@ case "${1:-}" in
       --json "$out/large.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
-  allreduce)  # needs >= 2 GPUs: losses and samples/s of the dense all-reduce variants
+  allreduce)  # needs >= 2 GPUs: latency table, then training with each dense all-reduce
+    python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
+      2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
     for v in ddp funcol_compiled symm_mem; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
         pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=20 \

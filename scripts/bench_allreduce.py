@@ -1,0 +1,154 @@
+"""Dense all-reduce latency: NCCL (c10d) vs symmetric memory (eager, copy counted) vs compiled.
+
+    torchrun --nproc-per-node=2 scripts/bench_allreduce.py                 # 2 GPUs
+    torchrun --nproc-per-node=2 scripts/bench_allreduce.py --sizes 4K,1M   # CPU/gloo: c10d, compiled
+
+Every variant reduces the same thing a gradient bucket is: ``cat`` of 4 chunks, summed over
+ranks (the ``cat`` is counted everywhere, as bucketing needs it):
+
+- ``nccl``: ``torch.cat`` + ``dist.all_reduce`` (gloo on CPU);
+- ``symm_one_shot`` / ``symm_two_shot``: ``torch.cat(out=)`` into a persistent symmetric-memory
+  buffer + ``symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_`` (CUDA only);
+- ``compiled``: ``torch.compile`` of cat + ``funcol.all_reduce`` with inductor's symmetric-memory
+  lowering switched on (the cat output realized in symmetric memory: no copy; CUDA), or plain
+  on CPU.
+
+Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls, each timed with CUDA
+events (wall clock on CPU), variants interleaved; bus bandwidth ``2 (n-1)/n * bytes / time``;
+the ratio to ``nccl``. Rank 0 prints a markdown table. Multicast stays off.
+NOT YET RUN on a GPU (written for issue 6's measurements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+UNITS = {"K": 2**10, "M": 2**20}
+
+
+def parse_size(s: str) -> int:
+    return int(s[:-1]) * UNITS[s[-1]] if s[-1] in UNITS else int(s)
+
+
+def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup):
+    """name -> (chunks, fn) for a bucket of ``nbytes``."""
+    n = nbytes // torch.empty((), dtype=dtype).element_size()
+    chunks = [torch.randn(n // 4, device=device).to(dtype) for _ in range(4)]
+    out = {}
+
+    def nccl():
+        flat = torch.cat(chunks)
+        dist.all_reduce(flat, group=group)
+        return flat
+
+    out["nccl"] = nccl
+    if device.type == "cuda":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(n, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, group.group_name)
+
+        def one_shot():
+            torch.cat(chunks, out=buf)
+            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+
+        def two_shot():
+            torch.cat(chunks, out=buf)
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group.group_name)
+            return buf
+
+        out["symm_one_shot"] = one_shot
+        if dist.get_world_size(group) in (2, 4, 8):
+            out["symm_two_shot"] = two_shot
+    compiled = torch.compile(
+        lambda *cs: funcol.all_reduce(torch.cat(cs), "sum", group), fullgraph=True
+    )
+
+    def comp():
+        with torch._inductor.config.patch(
+            {"_collective.auto_select": device.type == "cuda",
+             "_collective.one_shot_all_reduce_threshold_bytes": max(nbytes, 1)}
+        ):
+            return compiled(*chunks)
+
+    out["compiled"] = comp
+    return chunks, out
+
+
+def time_us(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) * 1e3
+    t0 = time.perf_counter()
+    r = fn()
+    if isinstance(r, funcol.AsyncCollectiveTensor):
+        r.wait()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="4K,16K,64K,256K,1M,2M,4M,16M,64M")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args()
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    group = dist.group.WORLD
+    world = dist.get_world_size()
+    if cuda:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+    rows = []
+    for dtype_name in a.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for size in a.sizes.split(","):
+            nbytes = parse_size(size)
+            chunks, fns = variants(nbytes, dtype, device, group)
+            ref = fns["nccl"]().float()
+            for name, fn in fns.items():  # warm up, compile, check the sums agree
+                for _ in range(a.warmup):
+                    r = fn()
+                r = r.wait() if isinstance(r, funcol.AsyncCollectiveTensor) else r
+                torch.testing.assert_close(r.float(), ref, rtol=2e-2, atol=1e-2)
+            samples = {k: [] for k in fns}
+            for _ in range(a.iters):
+                for k, fn in fns.items():
+                    dist.barrier()
+                    samples[k].append(time_us(fn, device))
+            base = statistics.median(samples["nccl"])
+            for k, xs in samples.items():
+                xs = sorted(xs)
+                med = statistics.median(xs)
+                busbw = 2 * (world - 1) / world * nbytes / (med * 1e-6) / 1e9
+                rows.append(f"| {dtype_name} | {size} | {k} | {med:.1f} | {xs[len(xs) // 10]:.1f}-"
+                            f"{xs[9 * len(xs) // 10]:.1f} | {busbw:.1f} | {med / base:.2f}x |")
+    if dist.get_rank() == 0:
+        name = torch.cuda.get_device_name() if cuda else "cpu"
+        print(f"\n### all-reduce, {world} x {name}, torch {torch.__version__}, {a.iters} interleaved calls\n")
+        print("| dtype | bucket | variant | P50 us | P10-P90 us | bus GB/s | vs nccl |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
