@@ -78,9 +78,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     #: finish that batch's step. Measured on 1 H100 (large config, 1 GiB of KJTs per batch,
     #: 3 alternating runs each): torchrec 31.7 ms/iter, peak reserved 22092 MiB; depth 3:
     #: 31.6 ms/iter, 22456 MiB (with 1/8 headroom per slot, now 1/64); depth 2: 38.7 ms/iter,
-    #: 19252 MiB, i.e. 3 GiB less but 22% slower: data_dist then waits for step i-1 and main
-    #: for data_dist (also when main waited on a per-batch event instead of the whole stream:
-    #: 41.1 ms/iter), so the cause is a host sync or wait not yet found.
+    #: 19252 MiB, i.e. 3 GiB less but 22% slower. Why: the splits all-to-all that follows the
+    #: permute on data_dist is read on the host (``.tolist()`` in ``wait_sparse_data_dist``;
+    #: torchrec 1.8 also reads the splits in ``start_sparse_data_dist``), so with depth 2 the
+    #: host waits for main to finish step i-1 right after queueing forward i.
     ring_depth: int = 3
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
