@@ -5,10 +5,12 @@ from recpipe.kjt.permute import (
     PermuteBuffers,
     PermuteInto,
     PermuteSpec,
+    Runner,
     allocate,
     kjt_permute_spec,
     permute_kjt,
     permute_spec,
+    write_into,
 )
 
 __all__ = [
@@ -16,8 +18,10 @@ __all__ = [
     "PermuteBuffers",
     "PermuteInto",
     "PermuteSpec",
+    "Runner",
     "allocate",
     "kjt_permute_spec",
     "permute_kjt",
     "permute_spec",
+    "write_into",
 ]

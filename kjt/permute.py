@@ -21,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.ops import permute_2D_sparse_data
+from recpipe.ops import PermuteResult, permute_2D_sparse_data
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,26 @@ def allocate(spec: PermuteSpec) -> PermuteBuffers:
 
 
 Allocator = Callable[[PermuteSpec], PermuteBuffers]
+#: ``run(permute, lengths [T, B], values, weights, permuted_lengths_sum)``: fbgemm's results
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], PermuteResult]
+
+
+def write_into(alloc: Allocator) -> Runner:
+    """A runner that permutes with recpipe's op into ``alloc(spec)``'s buffers.
+
+    Contract for ``alloc``: it is called on the thread and stream of the permute call and must
+    return buffers that this stream may write now (the caller orders their allocation or last
+    use against this stream) and that stay alive as long as the result is used.
+    """
+
+    def run(permute, lengths, values, weights, total):
+        buffers = alloc(permute_spec(permute, lengths, values, weights, total))
+        return permute_2D_sparse_data(
+            permute, lengths, values, weights, total,
+            buffers.lengths, buffers.values, buffers.weights,
+        )
+
+    return run
 
 # fbgemm's 2D permute under both names, as packet and as overload (torchrec calls the packet).
 _FBGEMM_2D = frozenset(
@@ -120,18 +140,13 @@ _FBGEMM_2D = frozenset(
 
 
 class PermuteInto(TorchFunctionMode):
-    """Within ``with PermuteInto(alloc):``, fbgemm's 2D sparse permute calls that carry
-    ``permuted_lengths_sum`` write into ``alloc(spec)``'s buffers via recpipe's op.
+    """Within ``with PermuteInto(run):``, fbgemm's 2D sparse permute calls that carry
+    ``permuted_lengths_sum`` are done by ``run`` instead (usually ``write_into(alloc)``).
+    ``calls`` counts the redirected permutes."""
 
-    Contract for ``alloc``: it is called on the thread and stream of the permute call and must
-    return buffers that this stream may write now (the caller orders their allocation or last
-    use against this stream) and that stay alive as long as the result is used.
-    ``calls`` counts the redirected permutes.
-    """
-
-    def __init__(self, alloc: Allocator) -> None:
+    def __init__(self, run: Runner) -> None:
         super().__init__()
-        self.alloc = alloc
+        self.run = run
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -139,13 +154,8 @@ class PermuteInto(TorchFunctionMode):
         if func in _FBGEMM_2D:
             bound = _bind(*args, **kwargs)
             if bound is not None:
-                permute, lengths, values, weights, total = bound
-                buffers = self.alloc(permute_spec(permute, lengths, values, weights, total))
                 self.calls += 1
-                return permute_2D_sparse_data(
-                    permute, lengths, values, weights, total,
-                    buffers.lengths, buffers.values, buffers.weights,
-                )
+                return self.run(*bound)
         return func(*args, **kwargs)
 
 
@@ -174,7 +184,7 @@ def permute_kjt(
     spec = kjt_permute_spec(kjt, indices)
     if not buffers.fits(spec):
         raise ValueError(f"recpipe.kjt.permute_kjt: buffers too small or of the wrong type for {spec}")
-    mode = PermuteInto(lambda _: buffers)
+    mode = PermuteInto(write_into(lambda _: buffers))
     with mode:
         out = kjt.permute(indices, indices_tensor)
     if mode.calls != 1:  # variable stride per key takes another path in torchrec

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recpipe.kjt import Allocator, PermuteBuffers, PermuteSpec, allocate
+from recpipe.kjt import (
+    Allocator,
+    PermuteBuffers,
+    PermuteSpec,
+    Runner,
+    allocate,
+    write_into,
+)
 
 _HEADROOM = 64  # value buffers get 1/64 more than a batch needs: regrowth stays rare
 
@@ -82,6 +89,34 @@ class BufferRing:
             return slot.buffers[k]
 
         return alloc
+
+    def split_runner(
+        self, batch_index: int, side: torch.cuda.Stream | None, done: list[torch.cuda.Event]
+    ) -> Runner:
+        """A runner for batch ``batch_index``'s permutes that keeps the slot wait off data_dist.
+
+        The permuted lengths (what the splits all-to-all is computed from, and read on the
+        host) are made on the current (data_dist) stream at once, in fresh memory; the values
+        and weights go into the ring slot on ``side``, which waits for data_dist's inputs and
+        for the slot's release. An event per permute is appended to ``done``: data_dist must
+        wait on them before anything reads the values (world size 1: after the splits read).
+        ``side=None`` (CPU) runs both parts in order on the current stream.
+        """
+        into_slot = write_into(self.allocator(batch_index))
+
+        def run(permute, lengths, values, weights, total):
+            lengths_out = torch.index_select(lengths, 0, permute)
+            if side is None:
+                return lengths_out, *into_slot(permute, lengths, values, weights, total)[1:]
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            with torch.cuda.stream(side):
+                _, values_out, weights_out = into_slot(permute, lengths, values, weights, total)
+                event = torch.cuda.Event()
+                event.record(side)
+            done.append(event)
+            return lengths_out, values_out, weights_out
+
+        return run
 
     def release(self, batch_index: int) -> None:
         """Batch ``batch_index`` is done with its slot once main's queued work completes."""

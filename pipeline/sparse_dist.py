@@ -21,13 +21,14 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSparseDist as _TorchrecTrainPipelineSparseDist,
 )
 from torchrec.distributed.types import Awaitable
 
-from recpipe.kjt import PermuteInto
+from recpipe.kjt import PermuteInto, write_into
 from recpipe.pipeline.buffers import BufferRing, main_stream_allocator
 from recpipe.pipeline.compat import clears_data_dist_inputs, dist_init_on_main_stream
 
@@ -42,7 +43,7 @@ class _PermuteOnMain(Awaitable[Any]):
         self._counts = counts
 
     def _wait_impl(self) -> Any:
-        mode = PermuteInto(main_stream_allocator(self._main))
+        mode = PermuteInto(write_into(main_stream_allocator(self._main)))
         with mode:
             result = self._inner.wait()
         self._counts["dist_init"] += mode.calls
@@ -83,11 +84,25 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     #: torchrec 1.8 also reads the splits in ``start_sparse_data_dist``), so with depth 2 the
     #: host waits for main to finish step i-1 right after queueing forward i.
     ring_depth: int = 3
+    #: Experimental, world size 1 only, NOT YET MEASURED on a GPU: permute the lengths on
+    #: data_dist at once and the values/weights into the ring on a side stream that alone waits
+    #: for the slot, so the host's read of the splits no longer waits for main; data_dist waits
+    #: for the values after that read (end of ``wait_sparse_data_dist``). Uses ring depth 2.
+    split_input_dist_permute: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        main = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
-        self._ring = BufferRing(main, self.ring_depth)
+        cuda = self._device.type == "cuda"
+        main = torch.cuda.current_stream(self._device) if cuda else None
+        if self.split_input_dist_permute:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(
+                    "split_input_dist_permute needs world size 1: with more ranks the values "
+                    "all-to-all is queued before data_dist could wait for the values"
+                )
+            self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
+            self._values_done: dict[int, list[torch.cuda.Event]] = {}
+        self._ring = BufferRing(main, 2 if self.split_input_dist_permute else self.ring_depth)
         self._use_ring = not clears_data_dist_inputs(self)
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
         self.redirected: Counter = Counter()
@@ -105,7 +120,18 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     def _ring_permutes(self, batch_index: int) -> PermuteInto | nullcontext:
         if not self._use_ring:
             return nullcontext()
-        return _Counted(PermuteInto(self._ring.allocator(batch_index)), self.redirected)
+        if self.split_input_dist_permute:
+            done = self._values_done.setdefault(batch_index, [])
+            run = self._ring.split_runner(batch_index, self._side, done)
+        else:
+            run = write_into(self._ring.allocator(batch_index))
+        return _Counted(PermuteInto(run), self.redirected)
+
+    def wait_sparse_data_dist(self, context: Any) -> None:
+        super().wait_sparse_data_dist(context)
+        if self.split_input_dist_permute:  # the splits are read: now data_dist needs the values
+            for event in self._values_done.pop(context.index, []):  # none on CPU
+                self._data_dist_stream.wait_event(event)
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.

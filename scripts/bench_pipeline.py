@@ -49,6 +49,10 @@ class RecpipeRing2(RecpipePipeline):
     ring_depth = 2
 
 
+class RecpipeSplit2(RecpipePipeline):
+    split_input_dist_permute = True  # experimental; world size 1
+
+
 def _torchrec_early_free(*args, **kwargs):
     """torchrec's own early-free option, where the installed torchrec has it (>= 1.8)."""
     if "free_features_storage_early" not in inspect.signature(TorchrecPipeline).parameters:
@@ -61,6 +65,7 @@ PIPELINES = {
     "torchrec_early_free": _torchrec_early_free,
     "recpipe": RecpipePipeline,
     "recpipe_ring2": RecpipeRing2,
+    "recpipe_split2": RecpipeSplit2,
 }
 
 
@@ -188,14 +193,16 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
     for n in names:  # run-to-run determinism of each pipeline on its own
         rows.append(f"\n{n}: losses identical across its own runs: "
                     f"{all(r['losses'] == runs[n][0]['losses'] for r in runs[n])}")
-    if len(names) == 2:
-        base, ours = (statistics.median(statistics.median(x["ms"]) for x in runs[n]) for n in names)
-        res_b, res_o = (statistics.median(x["reserved"] for x in runs[n]) for n in names)
+    base = statistics.median(statistics.median(x["ms"]) for x in runs[names[0]])
+    res_b = statistics.median(x["reserved"] for x in runs[names[0]])
+    for n in names[1:]:  # every pipeline against the first
+        ours = statistics.median(statistics.median(x["ms"]) for x in runs[n])
+        res_o = statistics.median(x["reserved"] for x in runs[n])
         rows.append(
-            f"\n{names[1]} vs {names[0]}: ms/iter P50 {ours / base:.3f}x; peak reserved "
-            f"{res_o - res_b:+.0f} MiB ({(res_b - res_o) / kjt_mib:.2f}x one batch's KJTs saved); "
-            f"losses bit-identical across all {sum(len(r) for r in runs.values())} runs: {same}"
+            f"\n{n} vs {names[0]}: ms/iter P50 {ours / base:.3f}x; peak reserved "
+            f"{res_o - res_b:+.0f} MiB ({(res_b - res_o) / kjt_mib:.2f}x one batch's KJTs saved)"
         )
+    rows.append(f"losses bit-identical across all {sum(len(r) for r in runs.values())} runs: {same}")
     if any(x.get("sanitizer") for n in names for x in runs[n]):
         rows.append("(run under TORCH_CUDA_SANITIZER=1: timings are not representative)")
     return "\n".join(rows), same

@@ -20,13 +20,16 @@ case "${1:-}" in
   pipeline)
     python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py \
       2>&1 | tee "$out/parity.log" | tail -3
+    csan_pipelines=torchrec,recpipe
+    [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe,recpipe_split2
     TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
-      --warmup 2 --steps 8 >"$out/csan.log" 2>&1
+      --warmup 2 --steps 8 --pipelines "$csan_pipelines" >"$out/csan.log" 2>&1
     echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \
       "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan.log")"
-    sharding=table_wise,column_wise
-    [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise
+    sharding=table_wise,column_wise pipelines=torchrec,recpipe,recpipe_split2
+    [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=torchrec,recpipe
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
+      --pipelines "$pipelines" \
       --json "$out/large.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.kjt import PermuteInto, allocate, kjt_permute_spec, permute_kjt
+from recpipe.kjt import PermuteInto, allocate, kjt_permute_spec, permute_kjt, write_into
 from recpipe.pipeline.buffers import BufferRing
 
 
@@ -63,7 +63,7 @@ def test_mode_redirects_only_sized_2d_permutes_and_passes_the_rest() -> None:
         handed_out.append(allocate(spec))
         return handed_out[-1]
 
-    mode = PermuteInto(alloc)
+    mode = PermuteInto(write_into(alloc))
     with mode:
         out = kjt.permute([2, 0])  # torchrec passes permuted_lengths_sum: redirected
         unsized = torch.ops.fbgemm.permute_2D_sparse_data(  # no size: left to fbgemm
@@ -85,7 +85,7 @@ def test_mode_is_scoped_to_its_thread() -> None:
         kjt.permute([1, 0])  # must not reach the mode of the main thread
         seen_in_thread.append(len(calls))
 
-    with PermuteInto(lambda spec: calls.append(spec) or allocate(spec)):
+    with PermuteInto(write_into(lambda spec: calls.append(spec) or allocate(spec))):
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()

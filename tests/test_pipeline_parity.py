@@ -19,11 +19,18 @@ EMPTY_AT = 7  # one batch without any ids
 GPU2 = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
-def _train(rank: int, world: int, device: torch.device, sharding: list[str], steps: int) -> dict:
+class SplitPermutePipeline(TrainPipelineSparseDist):
+    split_input_dist_permute = True
+
+
+def _train(
+    rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
+    ours: type = TrainPipelineSparseDist,
+) -> dict:
     spec = ModelSpec()
     pg = torch.distributed.group.WORLD
     out = {}
-    for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", TrainPipelineSparseDist)):
+    for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", ours)):
         model, optimizer = build_sharded(spec, sharding, device, pg, seed=1)
         pipeline = cls(model, optimizer, device)
         it = batches(spec, steps, rank, seed=2, empty_at=EMPTY_AT)
@@ -56,6 +63,26 @@ def test_single_rank_feature_permute_bit_identical() -> None:
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
+
+
+def test_single_rank_split_feature_permute_bit_identical() -> None:
+    """The experimental split P1 (lengths on data_dist, values on a side stream)."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SplitPermutePipeline)
+    assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+    assert r["redirected"].get("input_dist", 0) >= STEPS
+
+
+def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
+    model, optimizer = build_sharded(ModelSpec(), ["table_wise"], device, torch.distributed.group.WORLD)
+    try:
+        SplitPermutePipeline(model, optimizer, device)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_split_feature_permute_refuses_several_ranks() -> None:
+    assert all("needs world size 1" in r for r in run_ranks(2, _split_on_two_ranks))
 
 
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
