@@ -122,7 +122,13 @@ def write_into(alloc: Allocator) -> Runner:
     use against this stream) and that stay alive as long as the result is used.
     """
 
-    def run(permute, lengths, values, weights, total):
+    def run(
+        permute: torch.Tensor,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        total: int,
+    ) -> PermuteResult:
         buffers = alloc(permute_spec(permute, lengths, values, weights, total))
         return permute_2D_sparse_data(
             permute, lengths, values, weights, total,
@@ -149,7 +155,9 @@ class PermuteInto(TorchFunctionMode):
         self.run = run
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
         kwargs = kwargs or {}
         if func in _FBGEMM_2D:
             bound = _bind(*args, **kwargs)

@@ -174,7 +174,16 @@ def _flat_fronts(
     return lo, _front(values_out, [n]), None if weights_out is None else _front(weights_out, [n])
 
 
-def _into_cpu(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
+def _into_cpu(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> None:
     """Row-wise: each output row's values are one contiguous slice of the input, so one
     ``torch.cat(out=)`` of the permuted slices writes the whole output (memcpy, multithreaded)."""
     rows = _as_rows(lengths)
@@ -196,7 +205,16 @@ def _into_cpu(permute, lengths, values, weights, n, lengths_out, values_out, wei
             torch.cat([slices[p] for p in order], out=dst)
 
 
-def _into_cuda(permute, lengths, values, weights, n, lengths_out, values_out, weights_out):
+def _into_cuda(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> None:
     """Triton; no host sync. Bad input fails a device-side assert, never writes garbage."""
     lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
     if permute.numel() == 0 and n != 0:
@@ -236,7 +254,16 @@ for _device, _kernel in _INTO.items():
 
 
 @_into_op.register_fake
-def _(permute, lengths, values, weights, n, lengths_out, values_out, weights_out) -> None:
+def _into_fake(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> None:
     return None
 
 

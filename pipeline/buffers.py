@@ -104,7 +104,13 @@ class BufferRing:
         """
         into_slot = write_into(self.allocator(batch_index))
 
-        def run(permute, lengths, values, weights, total):
+        def run(
+            permute: torch.Tensor,
+            lengths: torch.Tensor,
+            values: torch.Tensor,
+            weights: torch.Tensor | None,
+            total: int,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             lengths_out = torch.index_select(lengths, 0, permute)
             if side is None:
                 return lengths_out, *into_slot(permute, lengths, values, weights, total)[1:]

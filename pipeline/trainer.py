@@ -12,6 +12,7 @@ import json
 import os
 import time
 from dataclasses import asdict
+from collections.abc import Iterator
 from itertools import count
 
 import torch
@@ -40,7 +41,9 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
                      weighted=m.weighted, sequence=m.sequence)
 
 
-def batch_stream(spec: ModelSpec, data_seed: int, rank: int, start: int, stop: int):
+def batch_stream(
+    spec: ModelSpec, data_seed: int, rank: int, start: int, stop: int
+) -> Iterator[Batch]:
     """Batches ``start .. stop-1`` of ``rank``."""
     for step in range(start, stop):
         yield make_batch(spec, seed=(data_seed * 1_000_003 + rank) * 1_000_003 + step)
@@ -51,7 +54,9 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             "fused_optimizer": model.fused_optimizer.state_dict()}
 
 
-def save_checkpoint(path: str, step: int, model, optimizer) -> None:
+def save_checkpoint(
+    path: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """All ranks: DCP save of model, dense and fused optimizer state, and the step."""
     state = _state(model, optimizer)
     state["step"] = torch.tensor(step)
@@ -62,7 +67,7 @@ def save_checkpoint(path: str, step: int, model, optimizer) -> None:
     dist.barrier()
 
 
-def load_checkpoint(path: str, model, optimizer) -> int:
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """All ranks: load the latest checkpoint under ``path`` in place; returns its step."""
     with open(os.path.join(path, "latest")) as f:
         step = int(f.read())
