@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
 from collections.abc import Iterator
 from itertools import count
 

@@ -124,7 +124,7 @@ def main() -> None:
             nbytes = parse_size(size)
             chunks, fns = variants(nbytes, dtype, device, group)
             ref = fns["nccl"]().float()
-            for name, fn in fns.items():  # warm up, compile, check the sums agree
+            for fn in fns.values():  # warm up, compile, check the sums agree
                 for _ in range(a.warmup):
                     r = fn()
                 r = r.wait() if isinstance(r, funcol.AsyncCollectiveTensor) else r

@@ -110,12 +110,11 @@ def measure_once(fn: Callable[[], object], device: str) -> tuple[float, float, i
     t0 = time.perf_counter()
     result = fn()
     host = (time.perf_counter() - t0) * 1e3
-    end.synchronize()
     torch.cuda.synchronize()
     del result
     torch.cuda._sleep(_SPIN_CYCLES)  # the GPU is busy while the host queues the call
     start.record()
-    result = fn()
+    fn()
     end.record()
     end.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
