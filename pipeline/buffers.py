@@ -64,12 +64,16 @@ class BufferRing:
     Contract: the pipeline calls :meth:`allocator` on the data_dist stream for each batch's
     input dist, and :meth:`release` on the main stream once the batch's forward, backward and
     optimizer step are queued (its last use of the slot; on several ranks main has by then
-    waited on data_dist, so the all-to-all reads of the slot are covered too).
+    waited on data_dist, so the all-to-all reads of the slot are covered too). Results are
+    views of the slot; a slot whose memory is still used by a view when its turn comes again
+    (the caller kept an earlier batch's output) gets new memory instead of being overwritten.
     """
 
     def __init__(self, main: torch.cuda.Stream | None, depth: int) -> None:
         self._main = main
         self._slots = [_Slot() for _ in range(depth)]
+        #: buffers given new memory because a result of an earlier batch still used them
+        self.replaced = 0
 
     def allocator(self, batch_index: int) -> Allocator:
         """An allocator handing out batch ``batch_index``'s k-th buffers on its k-th call."""
@@ -86,7 +90,12 @@ class BufferRing:
                 slot.buffers.append(_grown(spec))
             elif not slot.buffers[k].fits(spec):
                 slot.buffers[k] = _grown(spec)  # the old block's last reader is waited on
-            return slot.buffers[k]
+            elif _held_outside(slot.buffers[k]):
+                # Someone kept a result of an earlier batch (e.g. an EmbeddingCollection
+                # output whose lengths are the permuted ones): leave that memory to them.
+                slot.buffers[k] = _grown(spec)
+                self.replaced += 1
+            return _views(slot.buffers[k])
 
         return alloc
 
@@ -154,6 +163,24 @@ class BufferRing:
             for t in (b.lengths, b.values, b.weights)
             if t is not None
         )
+
+
+def _views(buffers: PermuteBuffers) -> PermuteBuffers:
+    """New tensors on the same memory: the ring keeps its own tensors to itself, so that any
+    live tensor on a slot's storage beyond them is a result someone still holds."""
+    return PermuteBuffers(
+        *(None if t is None else t.detach() for t in (buffers.lengths, buffers.values, buffers.weights))
+    )
+
+
+def _held_outside(buffers: PermuteBuffers) -> bool:
+    """Whether a tensor other than the ring's own still uses ``buffers``' memory."""
+    # The storage's owners: the ring's tensor, the storage object made for this call, others.
+    return any(
+        torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+        for t in (buffers.lengths, buffers.values, buffers.weights)
+        if t is not None
+    )
 
 
 def _grown(spec: PermuteSpec) -> PermuteBuffers:

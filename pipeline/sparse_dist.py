@@ -5,6 +5,10 @@ where the two permutes of the sparse input distribution write (shared/DESIGN.md)
 
 - P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
   pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight.
+  By default only at world size 1, where torchrec's all-to-all is skipped and the permuted KJT
+  itself is what the main stream reads (record_stream'd). With more ranks its only reader is
+  the all-to-all on data_dist, so torchrec frees it on time already and a ring would only add
+  memory (``ring_feature_permute = True`` forces it).
 - P2, the recat permute in ``dist_init`` (world size > 1, data_dist stream, inside the
   pipelined forward): into buffers allocated on the main stream
   (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
@@ -89,13 +93,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     #: for the slot, so the host's read of the splits no longer waits for main; data_dist waits
     #: for the values after that read (end of ``wait_sparse_data_dist``). Uses ring depth 2.
     split_input_dist_permute: bool = False
+    #: P1 into the ring: None (default) = at world size 1 only (see the module docstring).
+    ring_feature_permute: bool | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cuda = self._device.type == "cuda"
         main = torch.cuda.current_stream(self._device) if cuda else None
+        world = _world_size(self._model)
         if self.split_input_dist_permute:
-            if dist.is_initialized() and dist.get_world_size() > 1:
+            if world > 1:
                 raise ValueError(
                     "split_input_dist_permute needs world size 1: with more ranks the values "
                     "all-to-all is queued before data_dist could wait for the values"
@@ -103,7 +110,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[torch.cuda.Event]] = {}
         self._ring = BufferRing(main, 2 if self.split_input_dist_permute else self.ring_depth)
-        self._use_ring = not clears_data_dist_inputs(self)
+        ring = world == 1 if self.ring_feature_permute is None else self.ring_feature_permute
+        self._use_ring = ring and not clears_data_dist_inputs(self)
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
         self.redirected: Counter = Counter()
         # This pipeline's own forward class, so that counts stay per pipeline.
@@ -142,6 +150,19 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     def ring_nbytes(self) -> int:
         """Bytes held by the pipeline-owned P1 buffers."""
         return self._ring.nbytes
+
+    @property
+    def ring_replaced(self) -> int:
+        """P1 buffers given new memory because a result of an earlier batch still used them."""
+        return self._ring.replaced
+
+
+def _world_size(model: torch.nn.Module) -> int:
+    """The sharded model's world size (DistributedModelParallel's), else the default group's."""
+    env = getattr(model, "_env", None)
+    if env is not None:
+        return env.world_size
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class _Counted:

@@ -53,6 +53,10 @@ class RecpipeSplit2(RecpipePipeline):
     split_input_dist_permute = True  # experimental; world size 1
 
 
+class RecpipeRing(RecpipePipeline):
+    ring_feature_permute = True  # P1 into the ring on several ranks too (default: 1 rank only)
+
+
 def _torchrec_early_free(*args, **kwargs):
     """torchrec's own early-free option, where the installed torchrec has it (>= 1.8)."""
     if "free_features_storage_early" not in inspect.signature(TorchrecPipeline).parameters:
@@ -66,6 +70,7 @@ PIPELINES = {
     "recpipe": RecpipePipeline,
     "recpipe_ring2": RecpipeRing2,
     "recpipe_split2": RecpipeSplit2,
+    "recpipe_ring": RecpipeRing,
 }
 
 
@@ -112,6 +117,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     mid = warmup + steps // 2
     return dict(
         ring=getattr(pipeline, "ring_nbytes", 0) / 2**20,  # recpipe's P1 buffers
+        ring_replaced=getattr(pipeline, "ring_replaced", 0),
         ms=[s.elapsed_time(e) for s, e in times],
         losses=[x.item() for x in losses],
         alloc=torch.cuda.max_memory_allocated() / 2**20,
@@ -175,16 +181,18 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
         f"\n### {a.config}: {first['world']} x {first['device']}, sharding "
         f"{a.sharding.replace(',', '+')}, {a.repeats} alternating runs x {a.steps} steps "
         f"(after {a.warmup} warm-up); one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
-        "| pipeline | ms/iter P50 | ms/iter P90 | peak alloc MiB | peak reserved MiB | "
+        "| pipeline | ms/iter P50 | ms/iter P90 | samples/s | peak alloc MiB | peak reserved MiB | "
         "alloc retries | alloc growth MiB |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    samples = config(a).batch_size * first["world"]  # per step, all ranks
     for name in names:
         rs = runs[name]
         p50 = [statistics.median(x["ms"]) for x in rs]
         p90 = [sorted(x["ms"])[int(0.9 * (len(x["ms"]) - 1))] for x in rs]
         rows.append(
-            f"| {name} | {fmt(p50, '.1f')} | {fmt(p90, '.1f')} | {fmt([x['alloc'] for x in rs])} | "
+            f"| {name} | {fmt(p50, '.1f')} | {fmt(p90, '.1f')} | {fmt([samples * 1e3 / x for x in p50])} | "
+            f"{fmt([x['alloc'] for x in rs])} | "
             f"{fmt([x['reserved'] for x in rs])} | {max(x['retries'] for x in rs)} | "
             f"{fmt([x['growth'] for x in rs], '+.1f')} |"
         )

@@ -96,16 +96,35 @@ def test_ring_reuses_slots_per_batch_and_grows_when_needed() -> None:
     ring = BufferRing(main=None, depth=2)
     small, big = _kjt(seed=1), _kjt(seed=2)
     spec_small = kjt_permute_spec(small, [0, 1, 2, 3])
-    first = ring.allocator(0)(spec_small)
+    first = ring.allocator(0)(spec_small).values.data_ptr()
     ring.release(0)
-    again = ring.allocator(2)(spec_small)  # batch 2 takes batch 0's slot, same buffers
-    assert again.values.data_ptr() == first.values.data_ptr()
+    again = ring.allocator(2)(spec_small)  # batch 2 takes batch 0's slot, same memory
+    assert again.values.data_ptr() == first
     other = ring.allocator(1)(spec_small)  # batch 1: the other slot
-    assert other.values.data_ptr() != first.values.data_ptr()
+    assert other.values.data_ptr() != first
     ring.release(2)
+    del again, other  # results dropped: their slots can be reused in place
     larger = kjt_permute_spec(big, [0, 1, 2, 3, 3, 2, 1, 0])  # twice the values
     grown = ring.allocator(4)(larger)
     assert grown.fits(larger) and grown.values.numel() >= larger.num_values
     alloc5 = ring.allocator(5)
     a, b = alloc5(spec_small), alloc5(spec_small)  # two permutes of one batch: two buffers
     assert a.values.data_ptr() != b.values.data_ptr()
+    assert ring.replaced == 0
+
+
+def test_ring_never_overwrites_a_result_still_held() -> None:
+    """A caller that keeps an earlier batch's output (views of a slot) keeps its data."""
+    ring = BufferRing(main=None, depth=2)
+    spec = kjt_permute_spec(_kjt(seed=1), [0, 1, 2, 3])
+    kept = ring.allocator(0)(spec).values[: spec.num_values // 2]  # a view, as a KJT holds
+    kept.fill_(7)
+    ring.release(0)
+    reused = ring.allocator(2)(spec)
+    reused.values.fill_(-1)
+    assert reused.values.data_ptr() != kept.data_ptr() and ring.replaced == 1
+    assert bool((kept == 7).all())
+    ring.release(2)
+    del kept, reused
+    ring.allocator(4)(spec)  # nothing held any more: the slot's memory is reused again
+    assert ring.replaced == 1

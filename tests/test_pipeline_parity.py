@@ -23,6 +23,10 @@ class SplitPermutePipeline(TrainPipelineSparseDist):
     split_input_dist_permute = True
 
 
+class RingEverywherePipeline(TrainPipelineSparseDist):
+    ring_feature_permute = True  # P1 into the ring on several ranks too
+
+
 def _train(
     rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
     ours: type = TrainPipelineSparseDist,
@@ -46,6 +50,7 @@ def _train(
         out[name] = losses
         if name == "recpipe":
             out["redirected"] = dict(pipeline.redirected)
+            out["ring_replaced"] = pipeline.ring_replaced
     return out
 
 
@@ -63,6 +68,7 @@ def test_single_rank_feature_permute_bit_identical() -> None:
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
+    assert r["ring_replaced"] == 0  # in steady state every slot is reused in place
 
 
 def test_single_rank_split_feature_permute_bit_identical() -> None:
@@ -91,7 +97,15 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
     for rank, r in enumerate(results):
         assert len(r["torchrec"]) == STEPS, r
         assert r["recpipe"] == r["torchrec"], f"rank {rank}: losses differ"
-        # The recat permute after the all-to-all runs in every 2-rank input dist.
+        # The recat permute after the all-to-all runs in every 2-rank input dist; the
+        # feature-order permute stays torchrec's (its only reader is the all-to-all).
         assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
-        if "mixed" in sharding:  # features regrouped by sharding type: the P1 permute runs
-            assert r["redirected"].get("input_dist", 0) >= STEPS, r["redirected"]
+        assert not r["redirected"].get("input_dist"), r["redirected"]
+
+
+def test_feature_permute_ring_on_two_ranks_bit_identical() -> None:
+    """P1 into the ring on 2 ranks (``ring_feature_permute = True``), features regrouped."""
+    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, RingEverywherePipeline)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        assert r["redirected"].get("input_dist", 0) >= STEPS and r["ring_replaced"] == 0
