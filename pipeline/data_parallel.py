@@ -1,5 +1,6 @@
 """Dense-gradient all-reduce for DistributedModelParallel without DDP: bucketed, overlapped with
-backward, through functional collectives (so ``torch.compile`` can trace the reduction).
+backward, through :func:`recpipe.ops.all_reduce.all_reduce_sum` (symmetric memory on one NVLink
+host, else functional collectives: NCCL, or gloo on CPU), optionally ``torch.compile``'d.
 
 Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce())``.
 
@@ -10,13 +11,11 @@ bucket's grads are flattened, summed across ranks, divided by the world size and
 in place, while backward goes on. The reduction runs on the current stream (main), so the
 optimizer, queued after backward, reads reduced grads.
 
-With ``symm_mem=True`` (CUDA, NCCL group; compiled), inductor's own collective lowering is
-switched on for the reduction (``_collective.auto_select``, threshold = the bucket size) and
-symmetric memory is enabled for the group: inductor then allocates each bucket's flat gradient
-(a computed input: the ``cat``) in symmetric memory and calls
-``symm_mem.one_shot_all_reduce`` on it, with no extra copy. NOT YET RUN on a GPU: measure it
-with NCCL as the peer before relying on it (issue 6). Multicast stays off
-(``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``); one-shot does not use it.
+With ``symm_mem=True`` (CUDA, NCCL group on one host) symmetric memory is enabled for the group
+and each bucket's reduction is compiled with static shapes through
+:func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then allocates the bucket's flat
+gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it there with no
+extra copy. Buckets above ``SYMM_MAX_BYTES`` or of other dtypes go through NCCL.
 """
 
 from __future__ import annotations
@@ -25,10 +24,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
+
+from recpipe.ops.all_reduce import all_reduce_sum, compile_symmetric
 
 Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup], list[torch.Tensor]]
 
@@ -36,15 +36,16 @@ Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup], list[torch.Tensor]]
 def mean_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
     flat all-reduce). Traceable by torch.compile."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    flat = funcol.all_reduce(flat, "sum", group) / dist.get_world_size(group)
+    flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group)
+    flat = flat / dist.get_world_size(group)
     return [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], owner: "BucketedAllReduce") -> None:
+    def __init__(self, params: list[nn.Parameter], owner: "BucketedAllReduce", reduce: Reduce) -> None:
         self.params = params
         self.owner = owner
+        self.reduce = reduce
         self.ready = 0
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -57,7 +58,7 @@ class _Bucket:
         self.ready = 0
         grads = [p.grad for p in self.params]
         with torch.no_grad():
-            torch._foreach_copy_(grads, self.owner._reduce(grads, self.owner._group))
+            torch._foreach_copy_(grads, self.reduce(grads, self.owner._group))
 
 
 def _buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -83,7 +84,7 @@ class BucketedAllReduce(DataParallelWrapper):
         bucket_cap_mb: bucket size (DDP's default is 25).
         compile: reduce each bucket through ``torch.compile(fullgraph=True)``.
         reduce: the bucket reduction, :func:`mean_all_reduce` by default.
-        symm_mem: compiled one-shot all-reduce from symmetric memory (see the module docs).
+        symm_mem: reduce through symmetric memory (compiled; see the module docstring).
     """
 
     def __init__(
@@ -95,22 +96,28 @@ class BucketedAllReduce(DataParallelWrapper):
     ) -> None:
         self._cap = int(bucket_cap_mb * 2**20)
         self._symm_mem = symm_mem
-        if symm_mem:
-            compiled = torch.compile(reduce, fullgraph=True)
-
-            def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-                with torch._inductor.config.patch(
-                    {"_collective.auto_select": True,
-                     "_collective.one_shot_all_reduce_threshold_bytes": self._cap}
-                ):
-                    return compiled(grads, group)
-
-            self._reduce = reduce
-        else:
-            self._reduce = torch.compile(reduce, fullgraph=True) if compile else reduce
+        self._compile = compile or symm_mem
+        self._reduce = reduce
         self._group: dist.ProcessGroup | None = None
         self._checking = False
         self.buckets: list[_Bucket] = []
+
+    def _bucket_reduce(self) -> Reduce:
+        """The reduction of one bucket. Compiled: static shapes (symmetric buffers cannot have
+        dynamic ones), so one graph per bucket; dynamo keeps the graphs of one function
+        together, so its recompile limit is raised to the number of buckets for these calls."""
+        if not self._compile:
+            return self._reduce
+        if self._symm_mem:
+            compiled = compile_symmetric(self._reduce)
+        else:
+            compiled = torch.compile(self._reduce, fullgraph=True, dynamic=False)
+
+        def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+            with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets))):
+                return compiled(grads, group)
+
+        return reduce
 
     def _backward_started(self) -> None:
         """On a backward's first dense grad: check, once it ends, that every bucket reduced."""
@@ -146,4 +153,4 @@ class BucketedAllReduce(DataParallelWrapper):
             for p in dense:
                 dist.broadcast(p, src=dist.get_global_rank(group, 0), group=group)
         self._group = group
-        self.buckets = [_Bucket(b, self) for b in _buckets(dense, self._cap)]
+        self.buckets = [_Bucket(b, self, self._bucket_reduce()) for b in _buckets(dense, self._cap)]

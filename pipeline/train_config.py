@@ -41,9 +41,9 @@ class ShardingConfig:
 @dataclass
 class PipelineConfig:
     name: str = "recpipe"  # recpipe | torchrec
-    # dense-gradient all-reduce: ddp (torchrec's default) | funcol (recpipe's bucketed
-    # functional-collective all-reduce) | funcol_compiled (the same through torch.compile) |
-    # symm_mem (compiled, one-shot from symmetric memory; CUDA only, not yet measured)
+    # dense-gradient all-reduce: ddp (torchrec's default) | nccl (recpipe's bucketed all-reduce,
+    # compiled, through functional collectives: NCCL, gloo on CPU) | symm_mem (the same through
+    # symmetric memory; CUDA, one host) | auto (symm_mem on CUDA, else nccl)
     dense_allreduce: str = "ddp"
 
 
@@ -62,6 +62,7 @@ class TrainerConfig:
     seed: int = 1
     checkpoint_dir: str | None = None  # default: <run dir>/checkpoint
     checkpoint_interval: int = 0  # steps; 0: only at the end
+    checkpoint: bool = True  # false: write no checkpoint at all (benchmark runs)
     resume: bool = False  # continue from checkpoint_dir's latest checkpoint
     stop_after: int | None = None  # stop (as if interrupted) after this many steps
 
@@ -103,7 +104,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("data.schema", cfg.data.schema, ("synthetic", "criteo"))
     _choice("pipeline.name", cfg.pipeline.name, ("recpipe", "torchrec"))
     _choice("pipeline.dense_allreduce", cfg.pipeline.dense_allreduce,
-            ("ddp", "funcol", "funcol_compiled", "symm_mem"))
+            ("ddp", "nccl", "symm_mem", "auto"))
     _choice("hardware.device", cfg.hardware.device, ("cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("gloo", "nccl"))
     _choice("trainer.optimizer", cfg.trainer.optimizer, ("sgd", "adagrad"))

@@ -100,16 +100,19 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
     t = cfg.trainer
     spec = model_spec(cfg)
     allreduce = cfg.pipeline.dense_allreduce
+    if allreduce == "auto":
+        allreduce = "symm_mem" if device.type == "cuda" else "nccl"
     model, optimizer = build_sharded(
         spec, list(cfg.sharding.types), device, dist.group.WORLD, lr=t.lr, seed=t.seed,
         optimizer=t.optimizer,
         data_parallel=None if allreduce == "ddp" else BucketedAllReduce(
-            compile=allreduce == "funcol_compiled", symm_mem=allreduce == "symm_mem"
+            compile=True, symm_mem=allreduce == "symm_mem"
         ),
     )
     ckpt = t.checkpoint_dir or os.path.join(out_dir, "checkpoint")
     start = load_checkpoint(ckpt, model, optimizer) if t.resume else 0
-    os.makedirs(ckpt, exist_ok=True)
+    if t.checkpoint:
+        os.makedirs(ckpt, exist_ok=True)
     stop = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
     pipeline = PIPELINES[cfg.pipeline.name](model, optimizer, device)
     it = batch_stream(spec, cfg.data.seed, rank, start, stop)
@@ -136,9 +139,9 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
                     f.write(json.dumps(row) + "\n")
                 bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
         bar.update(1)
-        if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0:
+        if t.checkpoint and t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0:
             save_checkpoint(ckpt, step + 1, model, optimizer)
     bar.close()
-    if not t.checkpoint_interval or stop % t.checkpoint_interval:
+    if t.checkpoint and (not t.checkpoint_interval or stop % t.checkpoint_interval):
         save_checkpoint(ckpt, stop, model, optimizer)
     return metrics

@@ -1,22 +1,23 @@
-"""Dense all-reduce latency: NCCL (c10d) vs symmetric memory (eager, copy counted) vs compiled.
+"""Dense all-reduce latency: NCCL (c10d) vs symmetric memory (eager, copy counted) vs recpipe's
+compiled path.
 
     torchrun --nproc-per-node=2 scripts/bench_allreduce.py                 # 2 GPUs
-    torchrun --nproc-per-node=2 scripts/bench_allreduce.py --sizes 4K,1M   # CPU/gloo: c10d, compiled
+    torchrun --nproc-per-node=2 scripts/bench_allreduce.py --sizes 4K,1M   # CPU/gloo: nccl (gloo), compiled
 
-Every variant reduces the same thing a gradient bucket is: ``cat`` of 4 chunks, summed over
-ranks (the ``cat`` is counted everywhere, as bucketing needs it):
+Every variant reduces what a gradient bucket is: ``cat`` of 4 chunks, summed over ranks (the
+``cat`` is counted everywhere, as bucketing needs it):
 
 - ``nccl``: ``torch.cat`` + ``dist.all_reduce`` (gloo on CPU);
-- ``symm_one_shot`` / ``symm_two_shot``: ``torch.cat(out=)`` into a persistent symmetric-memory
-  buffer + ``symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_`` (CUDA only);
-- ``compiled``: ``torch.compile`` of cat + ``funcol.all_reduce`` with inductor's symmetric-memory
-  lowering switched on (the cat output realized in symmetric memory: no copy; CUDA), or plain
-  on CPU.
+- ``symm_one_shot`` / ``symm_two_shot`` (CUDA): ``torch.cat(out=)`` into a persistent
+  symmetric buffer + ``symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_out``: what an
+  eager caller pays;
+- ``compiled``: ``recpipe.ops.all_reduce.compile_symmetric`` of cat + ``all_reduce_sum``: on
+  CUDA the cat writes straight into symmetric memory (no copy) up to ``SYMM_MAX_BYTES``, NCCL
+  above; on CPU, gloo.
 
 Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls, each timed with CUDA
 events (wall clock on CPU), variants interleaved; bus bandwidth ``2 (n-1)/n * bytes / time``;
 the ratio to ``nccl``. Rank 0 prints a markdown table. Multicast stays off.
-NOT YET RUN on a GPU (written for issue 6's measurements).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from recpipe.ops.all_reduce import all_reduce_sum, compile_symmetric, symmetric_buffer
 
 UNITS = {"K": 2**10, "M": 2**20}
 
@@ -50,33 +53,26 @@ def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.
 
     out["nccl"] = nccl
     if device.type == "cuda":
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buf = symm_mem.empty(n, dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, group.group_name)
+        name = group.group_name
 
         def one_shot():
+            buf = symmetric_buffer(n, dtype, device, name)
             torch.cat(chunks, out=buf)
-            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
 
         def two_shot():
+            buf = symmetric_buffer(n, dtype, device, name)
             torch.cat(chunks, out=buf)
-            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group.group_name)
-            return buf
+            out = torch.empty_like(buf)
+            return torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", name, out)
 
         out["symm_one_shot"] = one_shot
         if dist.get_world_size(group) in (2, 4, 8):
             out["symm_two_shot"] = two_shot
-    compiled = torch.compile(
-        lambda *cs: funcol.all_reduce(torch.cat(cs), "sum", group), fullgraph=True
-    )
+    compiled = compile_symmetric(lambda *cs: all_reduce_sum(torch.cat(cs), group))
 
     def comp():
-        with torch._inductor.config.patch(
-            {"_collective.auto_select": device.type == "cuda",
-             "_collective.one_shot_all_reduce_threshold_bytes": max(nbytes, 1)}
-        ):
-            return compiled(*chunks)
+        return compiled(*chunks)
 
     out["compiled"] = comp
     return chunks, out
@@ -106,6 +102,9 @@ def main() -> None:
     a = p.parse_args()
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # One compiled function per (size, dtype), all from one lambda: dynamo keeps their graphs
+    # together, so allow one graph each.
+    torch._dynamo.config.recompile_limit = 64
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

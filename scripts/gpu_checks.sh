@@ -2,7 +2,8 @@
 # Every GPU check of the open issues, for one device call each (logs and tables under $OUT):
 #   bash scripts/gpu_checks.sh permute    # nvidia-h100-x1: CUDA op tests + bench_permute
 #   bash scripts/gpu_checks.sh pipeline   # any GPU count: parity, sanitizer, large bench
-#   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: DDP vs funcol (compiled) vs symm_mem
+#   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: tests, latency, DDP vs nccl vs symm_mem
+#   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
 out=${OUT:-/tmp/recpipe-gpu}
@@ -33,14 +34,32 @@ case "${1:-}" in
       --json "$out/large.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
-  allreduce)  # needs >= 2 GPUs: latency table, then training with each dense all-reduce
+  allreduce)  # needs >= 2 GPUs: GPU tests, latency table, then training with each dense all-reduce
+    python3 -m pytest -q -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
+      2>&1 | tee "$out/allreduce_tests.log" | tail -3
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
-    for v in ddp funcol_compiled symm_mem; do
+    for v in ddp nccl symm_mem; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
-        pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=20 \
-        output_dir="$out/allreduce-$v" 2>&1 | tee "$out/allreduce-$v.log" | grep -E "done|rror"
+        model=large pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false \
+        output_dir="$out/allreduce-$v" 2>&1 | tee "$out/allreduce-$v.log" | grep -E "rror" | tail -3
+    done
+    for v in nccl symm_mem; do
+      python3 scripts/compare_metrics.py "$out"/allreduce-ddp/*/metrics.jsonl \
+        "$out"/allreduce-$v/*/metrics.jsonl --rtol 1e-5
     done
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline|allreduce" >&2; exit 2 ;;
+  train)  # needs >= 2 GPUs (issue 5): torchrun training with both pipelines, then the bench
+    for p in torchrec recpipe; do
+      python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
+        pipeline=$p trainer.steps=200 trainer.log_interval=1 trainer.checkpoint=false output_dir="$out/train-$p" \
+        2>&1 | tee "$out/train-$p.log" | grep -E "rror" | tail -3
+    done
+    python3 scripts/compare_metrics.py "$out"/train-torchrec/*/metrics.jsonl \
+      "$out"/train-recpipe/*/metrics.jsonl
+    python3 scripts/bench_pipeline.py --config small --repeats "${REPEATS:-5}" \
+      --sharding table_wise,row_wise --json "$out/small.json" --out "$out/small.md" 2>&1 \
+      | tee "$out/small.log" | grep -E "^\||vs|identical|^###|rror"
+    ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline|allreduce|train" >&2; exit 2 ;;
 esac
