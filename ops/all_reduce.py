@@ -108,16 +108,15 @@ def _(input: torch.Tensor, group_name: str) -> torch.Tensor:
 def _register_lowering() -> None:
     """Inductor: realize a computed input of ``symm_all_reduce`` in symmetric memory (no copy),
     else call ``symm_all_reduce_copy`` (see the module docstring)."""
-    from torch._inductor import ir
-    from torch._inductor.comm_lowering import can_realize_as_comm_buffer, realize_as_comm_buffer
+    from torch._inductor import comm_lowering, ir
     from torch._inductor.lowering import register_lowering
     from torch.utils import _pytree as pytree
 
     @register_lowering(torch.ops.recpipe.symm_all_reduce.default, type_promotion_kind=None)
     def _lower(inp: Any, group_name: str) -> Any:
         op = torch.ops.recpipe.symm_all_reduce_copy.default
-        if can_realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM):
-            realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM, group_name)
+        if comm_lowering.can_realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM):
+            comm_lowering.realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM, group_name)
             op = torch.ops.recpipe.symm_all_reduce.default
         return pytree.tree_map(ir.TensorBox.create, ir.FallbackKernel.create(op, inp, group_name))
 

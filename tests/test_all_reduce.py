@@ -54,6 +54,37 @@ def test_fake_impls_keep_shape_and_dtype() -> None:
             assert y.shape == x.shape and y.dtype == x.dtype
 
 
+def test_lowering_reduces_computed_inputs_in_place_and_copies_graph_inputs(monkeypatch) -> None:
+    """The lowering's choice, on CPU: CPU kernels stand in for the CUDA ones and the layout
+    change is recorded instead of made (inductor allocates symmetric buffers on CUDA only)."""
+    from torch._inductor import comm_lowering
+    from torch._inductor.utils import run_and_get_code
+
+    realized = []
+    monkeypatch.setattr(comm_lowering, "realize_as_comm_buffer",
+                        lambda x, kind, group: realized.append((x.get_name(), group)))
+    lib = torch.library.Library("recpipe", "IMPL")  # test-only CPU kernels, dropped at the end
+    try:
+        for name in ("symm_all_reduce", "symm_all_reduce_copy"):
+            lib.impl(name, lambda x, group: 2 * x, "CPU")
+        a, b = torch.randn(6), torch.randn(10)
+        computed = torch.compile(lambda a, b: torch.ops.recpipe.symm_all_reduce(torch.cat([a * 2, b]), "g"),
+                                 fullgraph=True, dynamic=False)
+        out, (code,) = run_and_get_code(computed, a, b)
+        torch.testing.assert_close(out, 2 * torch.cat([a * 2, b]))
+        direct = re.findall(r"recpipe\.symm_all_reduce\.default\((\w+)", code)
+        assert [name for name, _ in realized] == direct and realized[0][1] == "g", code
+        assert "symm_all_reduce_copy" not in code
+        realized.clear()
+        graph_input = torch.compile(lambda x: torch.ops.recpipe.symm_all_reduce(x, "g"),
+                                    fullgraph=True, dynamic=False)
+        out, (code,) = run_and_get_code(graph_input, a)
+        torch.testing.assert_close(out, 2 * a)
+        assert "recpipe.symm_all_reduce_copy.default(arg" in code and not realized, code
+    finally:
+        lib._destroy()
+
+
 def _p2p_reads(code: str) -> tuple[set[str], list[str], list[str]]:
     """Buffers allocated symmetric, and the first argument of each recpipe op call."""
     p2p = set(re.findall(r"(\w+) = empty_strided_p2p\(", code))

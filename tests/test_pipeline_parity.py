@@ -75,7 +75,7 @@ def test_single_rank_split_feature_permute_bit_identical() -> None:
     """The experimental split P1 (lengths on data_dist, values on a side stream)."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SplitPermutePipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
-    assert r["redirected"].get("input_dist", 0) >= STEPS
+    assert r["redirected"].get("input_dist", 0) >= STEPS and r["ring_replaced"] == 0
 
 
 def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
