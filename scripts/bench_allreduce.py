@@ -23,6 +23,7 @@ the ratio to ``nccl``. Rank 0 prints a markdown table. Multicast stays off.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -99,6 +100,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", default=None, help="also write the rows here (rank 0)")
     a = p.parse_args()
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -116,7 +118,7 @@ def main() -> None:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
         enable_symm_mem_for_group(group.group_name)
-    rows = []
+    rows, records = [], []
     for dtype_name in a.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for size in a.sizes.split(","):
@@ -140,8 +142,13 @@ def main() -> None:
                 busbw = 2 * (world - 1) / world * nbytes / (med * 1e-6) / 1e9
                 rows.append(f"| {dtype_name} | {size} | {k} | {med:.1f} | {xs[len(xs) // 10]:.1f}-"
                             f"{xs[9 * len(xs) // 10]:.1f} | {busbw:.1f} | {med / base:.2f}x |")
+                records.append(dict(dtype=dtype_name, bytes=nbytes, variant=k, p50_us=med,
+                                    busbw=busbw, vs_nccl=med / base))
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"world": world, "device": name, "rows": records}, f)
         print(f"\n### all-reduce, {world} x {name}, torch {torch.__version__}, {a.iters} interleaved calls\n")
         print("| dtype | bucket | variant | P50 us | P10-P90 us | bus GB/s | vs nccl |")
         print("|---|---|---|---|---|---|---|")

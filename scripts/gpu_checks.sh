@@ -4,6 +4,7 @@
 #   bash scripts/gpu_checks.sh pipeline   # any GPU count: parity, sanitizer, large bench
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: tests, latency, DDP vs nccl vs symm_mem
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
+#   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
 out=${OUT:-/tmp/recpipe-gpu}
@@ -31,14 +32,14 @@ case "${1:-}" in
     [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring}
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
       --pipelines "$pipelines" \
-      --json "$out/large.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
+      --json "$out/large-$ngpu.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
   allreduce)  # needs >= 2 GPUs: GPU tests, latency table, then training with each dense all-reduce
     python3 -m pytest -q -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
       2>&1 | tee "$out/allreduce_tests.log" | tail -3
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
-      2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
+      --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
     for v in ddp nccl symm_mem; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
         model=large pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false \
@@ -61,5 +62,15 @@ case "${1:-}" in
       --sharding table_wise,row_wise --json "$out/small.json" --out "$out/small.md" 2>&1 \
       | tee "$out/small.log" | grep -E "^\||vs|identical|^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline|allreduce|train" >&2; exit 2 ;;
+  scaling)  # nvidia-h200-x4 / -x8 (issue 7): large bench and all-reduce latency, as JSON for
+    # scripts/plot_scaling.py (run here, with the files of every GPU count)
+    python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py -k four \
+      2>&1 | tee "$out/parity4.log" | tail -1
+    python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" \
+      --sharding table_wise,row_wise --pipelines torchrec,recpipe --json "$out/large-$ngpu.json" \
+      --out "$out/large.md" 2>&1 | tee "$out/large.log" | grep -E "^\||vs|identical|^###|rror"
+    python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
+      --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
+    ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline|allreduce|train|scaling" >&2; exit 2 ;;
 esac

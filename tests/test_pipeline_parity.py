@@ -109,3 +109,11 @@ def test_feature_permute_ring_on_two_ranks_bit_identical() -> None:
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("input_dist", 0) >= STEPS and r["ring_replaced"] == 0
+
+
+def test_losses_bit_identical_on_four_ranks() -> None:
+    """4 ranks (issue 7's correctness check; gloo on CPU): mixed table-/column-wise."""
+    results = run_ranks(4, _train, SHARDINGS["mixed_tw_cw"], STEPS)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
