@@ -24,10 +24,13 @@ Under ``torch.compile`` the inductor lowering registered here (the same code on 
 1. the input is computed in the graph with a static shape: its producer writes straight into a
    symmetric buffer (inductor's ``empty_strided_p2p``) and ``symm_all_reduce`` runs on it, no
    copy;
-2. otherwise (a graph input, a symbolic size): ``symm_all_reduce_copy``, one DMA copy (where
-   inductor itself would add an identity Triton kernel on 2.13, or fail on 2.11).
+2. otherwise (a graph input, or a buffer inductor does not allocate itself):
+   ``symm_all_reduce_copy``, one DMA copy (where inductor itself would add an identity Triton
+   kernel on 2.13, or fail on 2.11). Inductor drops a ``cat`` of one tensor, so a
+   one-parameter bucket takes this path.
 
-Eager calls take path 2. Compile through :func:`compile_symmetric`: inductor names each
+Eager calls take path 2. Compile with inductor (another backend would pass ordinary memory to
+``symm_all_reduce``), through :func:`compile_symmetric`: inductor names each
 symmetric buffer with an id drawn from Python's ``random``, which dynamo reseeds per frame, so
 two graphs would get the same id (and the allocator refuses a second live buffer or a new size
 under one id); it draws them from ``SystemRandom`` instead and keeps these graphs out of the FX

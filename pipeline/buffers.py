@@ -14,6 +14,7 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (share
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,11 +68,17 @@ class BufferRing:
     waited on data_dist, so the all-to-all reads of the slot are covered too). Results are
     views of the slot; a slot whose memory is still used by a view when its turn comes again
     (the caller kept an earlier batch's output) gets new memory instead of being overwritten.
+    ``stale_refs(t)``: references to ``t``'s memory that are known not to be read after the
+    slot's release (fbgemm's TBE keeps the last batch's indices until its next forward).
     """
 
-    def __init__(self, main: torch.cuda.Stream | None, depth: int) -> None:
+    def __init__(
+        self, main: torch.cuda.Stream | None, depth: int,
+        stale_refs: Callable[[torch.Tensor], int] = lambda t: 0,
+    ) -> None:
         self._main = main
         self._slots = [_Slot() for _ in range(depth)]
+        self._stale_refs = stale_refs
         #: buffers given new memory because a result of an earlier batch still used them
         self.replaced = 0
 
@@ -90,7 +97,7 @@ class BufferRing:
                 slot.buffers.append(_grown(spec))
             elif not slot.buffers[k].fits(spec):
                 slot.buffers[k] = _grown(spec)  # the old block's last reader is waited on
-            elif _held_outside(slot.buffers[k]):
+            elif _held_outside(slot.buffers[k], self._stale_refs):
                 # Someone kept a result of an earlier batch (e.g. an EmbeddingCollection
                 # output whose lengths are the permuted ones): leave that memory to them.
                 slot.buffers[k] = _grown(spec)
@@ -173,14 +180,17 @@ def _views(buffers: PermuteBuffers) -> PermuteBuffers:
     )
 
 
-def _held_outside(buffers: PermuteBuffers) -> bool:
-    """Whether a tensor other than the ring's own still uses ``buffers``' memory."""
-    # The storage's owners: the ring's tensor, the storage object made for this call, others.
-    return any(
-        torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
-        for t in (buffers.lengths, buffers.values, buffers.weights)
-        if t is not None
-    )
+def _held_outside(buffers: PermuteBuffers, stale_refs: Callable[[torch.Tensor], int]) -> bool:
+    """Whether a tensor other than the ring's own and the ``stale_refs`` still uses
+    ``buffers``' memory."""
+    # The storage's owners: the ring's tensor, the storage object made for this call, the
+    # stale references, others.
+    for t in (buffers.lengths, buffers.values, buffers.weights):
+        if t is not None:
+            users = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+            if users > 2 and users > 2 + stale_refs(t):  # (counted only when needed)
+                return True
+    return False
 
 
 def _grown(spec: PermuteSpec) -> PermuteBuffers:

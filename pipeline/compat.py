@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
 
@@ -15,3 +21,33 @@ def clears_data_dist_inputs(pipeline: object) -> bool:
     """torchrec >= 1.8's ``clear_data_dist_inputs`` frees the all-to-all inputs' storage in
     place (``storage().resize_(0)``), which a pipeline-owned ring must not see."""
     return bool(getattr(pipeline, "_clear_data_dist_inputs", False))
+
+
+def stale_index_refs(model: torch.nn.Module) -> Callable[[torch.Tensor], int]:
+    """Counts, for a tensor, the other tensors on its memory that fbgemm's table-batched
+    embedding modules keep alive after their forward: ``_indices``, the last batch's indices
+    (fbgemm 1.6 and 1.8; read again only within that batch's step: writeback hook, cache
+    prefetch), and the base tensor each such view keeps alive."""
+
+    def count(t: torch.Tensor) -> int:
+        ptr = t.untyped_storage().data_ptr()
+        kept: dict[int, torch.Tensor] = {}
+        for m in _tbe_modules(model):
+            x = getattr(m, "_indices", None)
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == ptr:
+                kept[id(x)] = x
+                if x._base is not None and x._base is not t:
+                    kept[id(x._base)] = x._base
+        return len(kept)
+
+    return count
+
+
+def _tbe_modules(model: torch.nn.Module) -> Iterator[SplitTableBatchedEmbeddingBagsCodegen]:
+    # torchrec's sharded modules keep their lookups in a plain list (``_lookups``), outside
+    # ``modules()``; the lookups hold the TBEs (torchrec 1.6 and 1.8).
+    for module in model.modules():
+        for lookup in getattr(module, "_lookups", ()):
+            for m in lookup.modules():
+                if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen):
+                    yield m

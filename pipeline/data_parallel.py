@@ -28,9 +28,10 @@ from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from recpipe.ops.all_reduce import all_reduce_sum, compile_symmetric
+from recpipe.ops.all_reduce import SYMM_MAX_BYTES, all_reduce_sum, compile_symmetric
 
 Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup], list[torch.Tensor]]
+_RECOMPILE_LIMIT = 1024  # graphs of the reduction per process: one per bucket shape
 
 
 def mean_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
@@ -81,7 +82,8 @@ class BucketedAllReduce(DataParallelWrapper):
     """A torchrec ``DataParallelWrapper`` replacing DDP for the dense part of the model.
 
     Args:
-        bucket_cap_mb: bucket size (DDP's default is 25).
+        bucket_cap_mb: bucket size (DDP's default is 25; with ``symm_mem`` at most
+            ``SYMM_MAX_BYTES``, the largest size it reduces through symmetric memory).
         compile: reduce each bucket through ``torch.compile(fullgraph=True)``.
         reduce: the bucket reduction, :func:`mean_all_reduce` by default.
         symm_mem: reduce through symmetric memory (compiled; see the module docstring).
@@ -95,6 +97,8 @@ class BucketedAllReduce(DataParallelWrapper):
         symm_mem: bool = False,
     ) -> None:
         self._cap = int(bucket_cap_mb * 2**20)
+        if symm_mem:  # larger buckets would go through NCCL
+            self._cap = min(self._cap, SYMM_MAX_BYTES)
         self._symm_mem = symm_mem
         self._compile = compile or symm_mem
         self._reduce = reduce
@@ -105,7 +109,8 @@ class BucketedAllReduce(DataParallelWrapper):
     def _bucket_reduce(self) -> Reduce:
         """The reduction of one bucket. Compiled: static shapes (symmetric buffers cannot have
         dynamic ones), so one graph per bucket; dynamo keeps the graphs of one function
-        together, so its recompile limit is raised to the number of buckets for these calls."""
+        together (over every wrapper in the process), so its recompile limit is raised for
+        these calls: with ``fullgraph=True`` reaching it would be an error."""
         if not self._compile:
             return self._reduce
         if self._symm_mem:
@@ -114,7 +119,7 @@ class BucketedAllReduce(DataParallelWrapper):
             compiled = torch.compile(self._reduce, fullgraph=True, dynamic=False)
 
         def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-            with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets))):
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                 return compiled(grads, group)
 
         return reduce

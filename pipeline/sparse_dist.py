@@ -6,9 +6,11 @@ where the two permutes of the sparse input distribution write (shared/DESIGN.md)
 - P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
   pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight.
   By default only at world size 1, where torchrec's all-to-all is skipped and the permuted KJT
-  itself is what the main stream reads (record_stream'd). With more ranks its only reader is
-  the all-to-all on data_dist, so torchrec frees it on time already and a ring would only add
-  memory (``ring_feature_permute = True`` forces it).
+  itself is what the main stream reads (record_stream'd). With more ranks the all-to-all reads
+  it on data_dist and torchrec frees it right after, so for an EmbeddingBagCollection a ring
+  would only add memory; an EmbeddingCollection's context (``features_before_input_dist``,
+  read in its output dist) and data-parallel tables do take it to main, and keep torchrec's
+  record_stream there unless ``ring_feature_permute = True``.
 - P2, the recat permute in ``dist_init`` (world size > 1, data_dist stream, inside the
   pipelined forward): into buffers allocated on the main stream
   (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
@@ -34,7 +36,11 @@ from torchrec.distributed.types import Awaitable
 
 from recpipe.kjt import PermuteInto, write_into
 from recpipe.pipeline.buffers import BufferRing, main_stream_allocator
-from recpipe.pipeline.compat import clears_data_dist_inputs, dist_init_on_main_stream
+from recpipe.pipeline.compat import (
+    clears_data_dist_inputs,
+    dist_init_on_main_stream,
+    stale_index_refs,
+)
 
 
 class _PermuteOnMain(Awaitable[Any]):
@@ -109,7 +115,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
                 )
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[torch.cuda.Event]] = {}
-        self._ring = BufferRing(main, 2 if self.split_input_dist_permute else self.ring_depth)
+        self._ring = BufferRing(
+            main, 2 if self.split_input_dist_permute else self.ring_depth,
+            stale_refs=stale_index_refs(self._model),
+        )
         ring = world == 1 if self.ring_feature_permute is None else self.ring_feature_permute
         self._use_ring = ring and not clears_data_dist_inputs(self)
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)

@@ -101,7 +101,7 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
     spec = model_spec(cfg)
     allreduce = cfg.pipeline.dense_allreduce
     if allreduce == "auto":
-        allreduce = "symm_mem" if device.type == "cuda" else "nccl"
+        allreduce = "symm_mem" if device.type == "cuda" and world > 1 else "nccl"
     model, optimizer = build_sharded(
         spec, list(cfg.sharding.types), device, dist.group.WORLD, lr=t.lr, seed=t.seed,
         optimizer=t.optimizer,

@@ -37,7 +37,7 @@ def main() -> None:
         print(f"{name}: {len(rows)} rows to step {rows[-1]['step']}, samples/s (2nd half, median) {rate:.0f}")
     same = all(x["loss"] == y["loss"] and x["last_loss"] == y["last_loss"] for x, y in zip(a, b))
     print(f"losses bit-identical: {same}; max relative difference {worst:.3g} (allowed {args.rtol:g})")
-    if worst > args.rtol:
+    if not worst <= args.rtol or (args.rtol == 0 and not same):  # NaN fails too
         sys.exit(1)
 
 

@@ -68,16 +68,14 @@ def test_lowering_reduces_computed_inputs_in_place_and_copies_graph_inputs(monke
         for name in ("symm_all_reduce", "symm_all_reduce_copy"):
             lib.impl(name, lambda x, group: 2 * x, "CPU")
         a, b = torch.randn(6), torch.randn(10)
-        computed = torch.compile(lambda a, b: torch.ops.recpipe.symm_all_reduce(torch.cat([a * 2, b]), "g"),
-                                 fullgraph=True, dynamic=False)
+        computed = compile_symmetric(lambda a, b: torch.ops.recpipe.symm_all_reduce(torch.cat([a * 2, b]), "g"))
         out, (code,) = run_and_get_code(computed, a, b)
         torch.testing.assert_close(out, 2 * torch.cat([a * 2, b]))
         direct = re.findall(r"recpipe\.symm_all_reduce\.default\((\w+)", code)
         assert [name for name, _ in realized] == direct and realized[0][1] == "g", code
         assert "symm_all_reduce_copy" not in code
         realized.clear()
-        graph_input = torch.compile(lambda x: torch.ops.recpipe.symm_all_reduce(x, "g"),
-                                    fullgraph=True, dynamic=False)
+        graph_input = compile_symmetric(lambda x: torch.ops.recpipe.symm_all_reduce(x, "g"))
         out, (code,) = run_and_get_code(graph_input, a)
         torch.testing.assert_close(out, 2 * a)
         assert "recpipe.symm_all_reduce_copy.default(arg" in code and not realized, code
