@@ -28,7 +28,7 @@ case "${1:-}" in
       --warmup 2 --steps 8 --pipelines "$csan_pipelines" >"$out/csan.log" 2>&1
     echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \
       "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan.log")"
-    sharding=table_wise,column_wise pipelines=torchrec,recpipe,recpipe_split2
+    sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_split2}
     [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring}
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
       --pipelines "$pipelines" \
