@@ -96,8 +96,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     ring_depth: int = 3
     #: Experimental, world size 1 only, NOT YET MEASURED on a GPU: permute the lengths on
     #: data_dist at once and the values/weights into the ring on a side stream that alone waits
-    #: for the slot, so the host's read of the splits no longer waits for main; data_dist waits
-    #: for the values after that read (end of ``wait_sparse_data_dist``). Uses ring depth 2.
+    #: for the slot, so the host's read of data_dist in ``wait_sparse_data_dist`` no longer
+    #: waits for main; data_dist waits for the values after it (end of
+    #: ``wait_sparse_data_dist``). Uses ring depth 2. Refused with row-wise tables (their input
+    #: dist reads the values on data_dist earlier).
     split_input_dist_permute: bool = False
     #: P1 into the ring: None (default) = at world size 1 only (see the module docstring).
     ring_feature_permute: bool | None = None
@@ -112,6 +114,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
                 raise ValueError(
                     "split_input_dist_permute needs world size 1: with more ranks the values "
                     "all-to-all is queued before data_dist could wait for the values"
+                )
+            if _bucketized(self._model):
+                raise ValueError(
+                    "split_input_dist_permute: a row-wise input dist bucketizes the values on "
+                    "data_dist before data_dist could wait for them"
                 )
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[torch.cuda.Event]] = {}
@@ -164,6 +171,17 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     def ring_replaced(self) -> int:
         """P1 buffers given new memory because a result of an earlier batch still used them."""
         return self._ring.replaced
+
+
+def _bucketized(model: torch.nn.Module) -> bool:
+    """Whether a table of the (DistributedModelParallel) plan is row-wise in some form, so that
+    its input dist reads the permuted values on data_dist (bucketize) in ``input_dist``."""
+    plan = getattr(model, "plan", None)
+    return plan is not None and any(
+        "row_wise" in p.sharding_type or p.sharding_type == "grid_shard"
+        for module_plan in plan.plan.values()
+        for p in module_plan.values()
+    )
 
 
 def _world_size(model: torch.nn.Module) -> int:

@@ -6,12 +6,15 @@ machine with 2 GPUs the same test runs on NCCL, row-wise included.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from dist_utils import run_ranks
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist
+from recpipe.pipeline.sparse_dist import _bucketized
 from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 32
@@ -89,6 +92,21 @@ def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
 
 def test_split_feature_permute_refuses_several_ranks() -> None:
     assert all("needs world size 1" in r for r in run_ranks(2, _split_on_two_ranks))
+
+
+def _plan_is_bucketized(rank: int, world: int, device: torch.device) -> list[bool]:
+    model, _ = build_sharded(ModelSpec(), ["table_wise", "column_wise"], device,
+                             torch.distributed.group.WORLD)
+    row_wise = SimpleNamespace(
+        plan=SimpleNamespace(plan={"ebc": {"t0": SimpleNamespace(sharding_type="row_wise")}})
+    )
+    return [_bucketized(model), _bucketized(row_wise)]
+
+
+def test_split_feature_permute_detects_row_wise_plans() -> None:
+    """The split permute is refused for row-wise tables (the CPU planner offers none: the
+    check itself is tested on a real table-/column-wise plan and a row-wise one)."""
+    assert run_ranks(1, _plan_is_bucketized) == [[False, True]]
 
 
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
