@@ -144,7 +144,7 @@ def _symmetric_ok(nbytes: int, dtype: torch.dtype, device_type: str, group_name:
     one_host = group.size() <= int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
     return (
         one_host
-        and dist.get_backend(group) == "nccl"
+        and "nccl" in str(dist.get_backend(group))  # "nccl", or "cpu:gloo,cuda:nccl"
         and is_symm_mem_enabled_for_group(group_name)
     )
 

@@ -127,6 +127,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
             stale_refs=stale_index_refs(self._model),
         )
         ring = world == 1 if self.ring_feature_permute is None else self.ring_feature_permute
+        if self.split_input_dist_permute and not ring:
+            raise ValueError("split_input_dist_permute needs the ring (ring_feature_permute)")
         self._use_ring = ring and not clears_data_dist_inputs(self)
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
         self.redirected: Counter = Counter()
