@@ -27,12 +27,14 @@ def stale_index_refs(model: torch.nn.Module) -> Callable[[torch.Tensor], int]:
     """Counts, for a tensor, the other tensors on its memory that fbgemm's table-batched
     embedding modules keep alive after their forward: ``_indices``, the last batch's indices
     (fbgemm 1.6 and 1.8; read again only within that batch's step: writeback hook, cache
-    prefetch), and the base tensor each such view keeps alive."""
+    prefetch), and the base tensor each such view keeps alive. The modules are looked up once
+    (torchrec makes them when it shards the model)."""
+    tbes = list(_tbe_modules(model))
 
     def count(t: torch.Tensor) -> int:
         ptr = t.untyped_storage().data_ptr()
         kept: dict[int, torch.Tensor] = {}
-        for m in _tbe_modules(model):
+        for m in tbes:
             x = getattr(m, "_indices", None)
             if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == ptr:
                 kept[id(x)] = x
