@@ -6,7 +6,8 @@ where the two permutes of the sparse input distribution write (shared/DESIGN.md)
 - P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
   pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight.
   By default only at world size 1, where torchrec's all-to-all is skipped and the permuted KJT
-  itself is what the main stream reads (record_stream'd). With more ranks the all-to-all reads
+  itself is what the main stream reads (record_stream'd); there the lengths are permuted on
+  data_dist and the values into a 2-slot ring on a side stream (``split_input_dist_permute``). With more ranks the all-to-all reads
   it on data_dist and torchrec frees it right after, so for an EmbeddingBagCollection a ring
   would only add memory; an EmbeddingCollection's context (``features_before_input_dist``,
   read in its output dist) and data-parallel tables do take it to main, and keep torchrec's
@@ -84,23 +85,21 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     """
 
     #: P1 ring slots, one per batch in flight (host ahead of the GPU: the batch whose step is
-    #: still running, the batch in compute, the next one). The slot of batch i+1 is the one
-    #: batch i+1-depth used, so data_dist's input dist of batch i+1 first waits for main to
-    #: finish that batch's step. Measured on 1 H100 (large config, 1 GiB of KJTs per batch,
-    #: 3 alternating runs each): torchrec 31.7 ms/iter, peak reserved 22092 MiB; depth 3:
-    #: 31.6 ms/iter, 22456 MiB (with 1/8 headroom per slot, now 1/64); depth 2: 38.7 ms/iter,
-    #: 19252 MiB, i.e. 3 GiB less but 22% slower. Why: the splits all-to-all that follows the
-    #: permute on data_dist is read on the host (``.tolist()`` in ``wait_sparse_data_dist``;
-    #: torchrec 1.8 also reads the splits in ``start_sparse_data_dist``), so with depth 2 the
-    #: host waits for main to finish step i-1 right after queueing forward i.
+    #: still running, the batch in compute, the next one) when the whole permute waits for its
+    #: slot on data_dist. The slot of batch i+1 is the one batch i+1-depth used, so depth 2
+    #: would make the input dist of batch i+1 wait for main to finish step i-1, and the host
+    #: reads data_dist right after (``wait_sparse_data_dist``: at one rank the recat is made
+    #: with a synchronous ``torch.tensor(..., device=cuda)``; with more ranks the splits are
+    #: read with ``.tolist()``): measured 22% slower on 1 H100.
     ring_depth: int = 3
-    #: Experimental, world size 1 only, NOT YET MEASURED on a GPU: permute the lengths on
-    #: data_dist at once and the values/weights into the ring on a side stream that alone waits
-    #: for the slot, so the host's read of data_dist in ``wait_sparse_data_dist`` no longer
-    #: waits for main; data_dist waits for the values after it (end of
-    #: ``wait_sparse_data_dist``). Uses ring depth 2. Refused with row-wise tables (their input
-    #: dist reads the values on data_dist earlier).
-    split_input_dist_permute: bool = False
+    #: Permute the lengths on data_dist at once (fresh memory) and the values/weights into a
+    #: depth-2 ring on a side stream that alone waits for the slot; data_dist waits for the
+    #: values at the end of ``wait_sparse_data_dist``, after the host's read. None (default):
+    #: wherever allowed, i.e. world size 1 without row-wise tables (with more ranks the values
+    #: all-to-all is queued before data_dist could wait; a row-wise input dist bucketizes the
+    #: values on data_dist). Measured on 1 H100, large config (README): 0.99x torchrec's
+    #: ms/iter, 990 MiB less peak reserved; the depth-3 ring: 1.00x, +28 MiB.
+    split_input_dist_permute: bool | None = None
     #: P1 into the ring: None (default) = at world size 1 only (see the module docstring).
     ring_feature_permute: bool | None = None
 
@@ -109,7 +108,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
         cuda = self._device.type == "cuda"
         main = torch.cuda.current_stream(self._device) if cuda else None
         world = _world_size(self._model)
-        if self.split_input_dist_permute:
+        ring = world == 1 if self.ring_feature_permute is None else self.ring_feature_permute
+        self._use_ring = ring and not clears_data_dist_inputs(self)
+        split = self.split_input_dist_permute
+        if split is None:
+            split = self._use_ring and world == 1 and not _bucketized(self._model)
+        elif split:
             if world > 1:
                 raise ValueError(
                     "split_input_dist_permute needs world size 1: with more ranks the values "
@@ -120,16 +124,15 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
                     "split_input_dist_permute: a row-wise input dist bucketizes the values on "
                     "data_dist before data_dist could wait for them"
                 )
+            if not self._use_ring:
+                raise ValueError("split_input_dist_permute needs the ring (ring_feature_permute)")
+        self.split_input_dist_permute = split  # resolved: what this pipeline does
+        if split:
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[torch.cuda.Event]] = {}
         self._ring = BufferRing(
-            main, 2 if self.split_input_dist_permute else self.ring_depth,
-            stale_refs=stale_index_refs(self._model),
+            main, 2 if split else self.ring_depth, stale_refs=stale_index_refs(self._model)
         )
-        ring = world == 1 if self.ring_feature_permute is None else self.ring_feature_permute
-        if self.split_input_dist_permute and not ring:
-            raise ValueError("split_input_dist_permute needs the ring (ring_feature_permute)")
-        self._use_ring = ring and not clears_data_dist_inputs(self)
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
         self.redirected: Counter = Counter()
         # This pipeline's own forward class, so that counts stay per pipeline.

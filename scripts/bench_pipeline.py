@@ -45,12 +45,12 @@ CONFIGS = {
                        weighted=False, sequence=False),
     "tiny": ModelSpec(num_tables=4, rows=1000, dim=16, batch_size=64, pooling=4),
 }
-class RecpipeRing2(RecpipePipeline):
-    ring_depth = 2
+class RecpipeRing3(RecpipePipeline):
+    split_input_dist_permute = False  # world size 1: whole permute into a depth-3 ring
 
 
-class RecpipeSplit2(RecpipePipeline):
-    split_input_dist_permute = True  # experimental; world size 1
+class RecpipeRing2(RecpipeRing3):
+    ring_depth = 2  # slow: the host waits for main (sparse_dist.py)
 
 
 class RecpipeRing(RecpipePipeline):
@@ -68,8 +68,8 @@ PIPELINES = {
     "torchrec": TorchrecPipeline,
     "torchrec_early_free": _torchrec_early_free,
     "recpipe": RecpipePipeline,
+    "recpipe_ring3": RecpipeRing3,
     "recpipe_ring2": RecpipeRing2,
-    "recpipe_split2": RecpipeSplit2,
     "recpipe_ring": RecpipeRing,
 }
 

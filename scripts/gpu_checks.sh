@@ -2,6 +2,7 @@
 # Every GPU check of the open issues, for one device call each (logs and tables under $OUT):
 #   bash scripts/gpu_checks.sh permute    # nvidia-h100-x1: CUDA op tests + bench_permute
 #   bash scripts/gpu_checks.sh pipeline   # any GPU count: parity, sanitizer, large bench
+#        (pipeline-checks / pipeline-bench: the first two / the bench alone)
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: tests, latency, DDP vs nccl vs symm_mem
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
@@ -19,22 +20,27 @@ case "${1:-}" in
       2>&1 | tee "$out/permute_tests.log" | tail -3
     python3 scripts/bench_permute.py --shapes small,large 2>&1 | tee "$out/bench_permute.md"
     ;;
-  pipeline)
-    python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py \
+  pipeline|pipeline-checks)  # parity (1 GPU: the one-rank tests; 2-rank gloo ones are CI's), sanitizer
+    k=""
+    [ "$ngpu" -eq 1 ] && k="single_rank or test_kjt"
+    python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py -k "$k" \
       2>&1 | tee "$out/parity.log" | tail -3
     csan_pipelines=torchrec,recpipe
-    [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe,recpipe_split2
+    [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe,recpipe_ring3
     TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
       --warmup 2 --steps 8 --pipelines "$csan_pipelines" >"$out/csan.log" 2>&1
     echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \
       "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan.log")"
-    sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_split2}
+    ;;&
+  pipeline|pipeline-bench)  # large config, alternating runs
+    sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring3}
     [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring}
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
       --pipelines "$pipelines" \
       --json "$out/large-$ngpu.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
+  pipeline-checks) ;;
   allreduce)  # needs >= 2 GPUs: GPU tests, latency table, then training with each dense all-reduce
     python3 -m pytest -q -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
       2>&1 | tee "$out/allreduce_tests.log" | tail -3
@@ -72,5 +78,5 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline|allreduce|train|scaling" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench]|allreduce|train|scaling" >&2; exit 2 ;;
 esac

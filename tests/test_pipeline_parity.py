@@ -26,6 +26,10 @@ class SplitPermutePipeline(TrainPipelineSparseDist):
     split_input_dist_permute = True
 
 
+class WholePermutePipeline(TrainPipelineSparseDist):
+    split_input_dist_permute = False  # one rank: the whole P1 into the depth-3 ring
+
+
 class RingEverywherePipeline(TrainPipelineSparseDist):
     ring_feature_permute = True  # P1 into the ring on several ranks too
 
@@ -54,6 +58,7 @@ def _train(
         if name == "recpipe":
             out["redirected"] = dict(pipeline.redirected)
             out["ring_replaced"] = pipeline.ring_replaced
+            out["split"] = pipeline.split_input_dist_permute
     return out
 
 
@@ -67,18 +72,20 @@ if GPU2:
 
 
 def test_single_rank_feature_permute_bit_identical() -> None:
-    """World size 1: only the feature-order permute (P1, into the ring) runs."""
+    """World size 1: only the feature-order permute (P1) runs; by default split (lengths on
+    data_dist, values into the depth-2 ring on a side stream)."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
-    assert r["ring_replaced"] == 0  # in steady state every slot is reused in place
+    assert r["split"] and r["ring_replaced"] == 0  # in steady state slots are reused in place
 
 
-def test_single_rank_split_feature_permute_bit_identical() -> None:
-    """The experimental split P1 (lengths on data_dist, values on a side stream)."""
-    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SplitPermutePipeline)
+def test_single_rank_whole_feature_permute_bit_identical() -> None:
+    """``split_input_dist_permute = False``: the whole P1 into the depth-3 ring."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, WholePermutePipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
-    assert r["redirected"].get("input_dist", 0) >= STEPS and r["ring_replaced"] == 0
+    assert r["redirected"].get("input_dist", 0) >= STEPS
+    assert not r["split"] and r["ring_replaced"] == 0
 
 
 def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
