@@ -134,6 +134,9 @@ def child(a: argparse.Namespace) -> None:
     """One measurement (``--run-one NAME``), on every rank of a torchrun group."""
     cuda = torch.cuda.is_available()
     rank = int(os.environ.get("RANK", 0))
+    if a.deterministic:  # fbgemm's TBE backward then sums each id's rows in one CTA, in order
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -180,7 +183,8 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
     rows = [
         f"\n### {a.config}: {first['world']} x {first['device']}, sharding "
         f"{a.sharding.replace(',', '+')}, {a.repeats} alternating runs x {a.steps} steps "
-        f"(after {a.warmup} warm-up); one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
+        f"(after {a.warmup} warm-up){', deterministic algorithms' if a.deterministic else ''}; "
+        f"one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
         "| pipeline | ms/iter P50 | ms/iter P90 | samples/s | peak alloc MiB | peak reserved MiB | "
         "alloc retries | alloc growth MiB |",
         "|---|---|---|---|---|---|---|---|",
@@ -253,6 +257,9 @@ def main() -> None:
     p.add_argument("--profile", default=None,
                    help="write a torch.profiler chrome trace of 3 timed steps per run here")
     p.add_argument("--json", default=None, help="write all runs' numbers here")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms (warn only): for comparing losses "
+                        "on GPU configs where the default kernels sum in varying order; slower")
     p.add_argument("--plot", default=None, help="write a PNG of reserved memory per step here")
     p.add_argument("--replot", default=None, help="only re-plot a --json file into --plot")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
@@ -273,6 +280,7 @@ def main() -> None:
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                  if k in ("config", "sharding", "warmup", "steps", "distinct_batches", "data_dir")
                  or (k in ("batch_size", "profile") and v)]
+    forwarded += ["--deterministic"] if a.deterministic else []
     for r in range(a.repeats):
         for i, name in enumerate(names):
             result = os.path.join(a.data_dir, f"result-{name}-{r}.json")
