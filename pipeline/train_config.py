@@ -65,6 +65,7 @@ class TrainerConfig:
     checkpoint: bool = True  # false: write no checkpoint at all (benchmark runs)
     resume: bool = False  # continue from checkpoint_dir's latest checkpoint
     stop_after: int | None = None  # stop (as if interrupted) after this many steps
+    deterministic: bool = False  # deterministic GPU kernels: repeatable losses, slower
 
 
 @dataclass

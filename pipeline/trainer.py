@@ -23,7 +23,13 @@ from tqdm import tqdm
 
 from recpipe.pipeline.data_parallel import BucketedAllReduce
 from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist as RecpipePipeline
-from recpipe.pipeline.synthetic import Batch, ModelSpec, build_sharded, make_batch
+from recpipe.pipeline.synthetic import (
+    Batch,
+    ModelSpec,
+    build_sharded,
+    make_batch,
+    use_deterministic_kernels,
+)
 from recpipe.pipeline.train_config import TrainConfig
 
 PIPELINES = {"torchrec": TorchrecPipeline, "recpipe": RecpipePipeline}
@@ -98,6 +104,8 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
     logged metrics (also in ``out_dir/metrics.jsonl``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     t = cfg.trainer
+    if t.deterministic:
+        use_deterministic_kernels()
     spec = model_spec(cfg)
     allreduce = cfg.pipeline.dense_allreduce
     if allreduce == "auto":

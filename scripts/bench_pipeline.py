@@ -34,7 +34,12 @@ from torch.cuda import _sanitizer
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
-from recpipe.pipeline.synthetic import ModelSpec, build_sharded, make_batch
+from recpipe.pipeline.synthetic import (
+    ModelSpec,
+    build_sharded,
+    make_batch,
+    use_deterministic_kernels,
+)
 
 CONFIGS = {
     # 16 tables x 200k rows x dim 128, batch 4096 per rank, 40 ids per feature
@@ -134,9 +139,8 @@ def child(a: argparse.Namespace) -> None:
     """One measurement (``--run-one NAME``), on every rank of a torchrun group."""
     cuda = torch.cuda.is_available()
     rank = int(os.environ.get("RANK", 0))
-    if a.deterministic:  # fbgemm's TBE backward then sums each id's rows in one CTA, in order
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if a.deterministic:
+        use_deterministic_kernels()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if cuda else "gloo")

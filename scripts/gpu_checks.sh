@@ -14,13 +14,17 @@ source .devenv/install.sh && source scripts/gpu_env.sh || exit 1
 export PYTHONWARNINGS=ignore
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "gpus: $ngpu ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
+# the large pipeline config: row-wise needs >= 2 GPUs; the one-rank variant is the 3-slot ring
+sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring3}
+[ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring}
 case "${1:-}" in
   permute)
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_permute_op.py tests/test_permute_triton.py \
       2>&1 | tee "$out/permute_tests.log" | tail -3
     python3 scripts/bench_permute.py --shapes small,large 2>&1 | tee "$out/bench_permute.md"
     ;;
-  pipeline|pipeline-checks)  # parity (1 GPU: the one-rank tests; 2-rank gloo ones are CI's), sanitizer
+  pipeline|pipeline-checks)  # parity (1 GPU: the one-rank tests; 2-rank gloo ones are CI's),
+    # sanitizer, large-config losses
     k=""
     [ "$ngpu" -eq 1 ] && k="single_rank or test_kjt"
     python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py -k "$k" \
@@ -31,10 +35,12 @@ case "${1:-}" in
       --warmup 2 --steps 8 --pipelines "$csan_pipelines" >"$out/csan.log" 2>&1
     echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \
       "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan.log")"
+    # bit-identity at the large size needs deterministic kernels (fbgemm's TBE backward)
+    python3 scripts/bench_pipeline.py --config large --deterministic --repeats 1 --warmup 2 \
+      --steps 10 --sharding "$sharding" --pipelines torchrec,recpipe --json "$out/large-det-$ngpu.json" \
+      2>&1 | tee "$out/large-det.log" | grep -E "vs|identical across all|rror"
     ;;&
   pipeline|pipeline-bench)  # large config, alternating runs
-    sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring3}
-    [ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring}
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
       --pipelines "$pipelines" \
       --json "$out/large-$ngpu.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
@@ -59,7 +65,8 @@ case "${1:-}" in
   train)  # needs >= 2 GPUs (issue 5): torchrun training with both pipelines, then the bench
     for p in torchrec recpipe; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
-        pipeline=$p trainer.steps=200 trainer.log_interval=1 trainer.checkpoint=false output_dir="$out/train-$p" \
+        pipeline=$p trainer.steps=200 trainer.log_interval=1 trainer.checkpoint=false \
+        trainer.deterministic=true output_dir="$out/train-$p" \
         2>&1 | tee "$out/train-$p.log" | grep -E "rror" | tail -3
     done
     python3 scripts/compare_metrics.py "$out"/train-torchrec/*/metrics.jsonl \
