@@ -24,7 +24,7 @@ case "${1:-}" in
     python3 scripts/bench_permute.py --shapes small,large 2>&1 | tee "$out/bench_permute.md"
     ;;
   pipeline|pipeline-checks)  # parity (1 GPU: the one-rank tests; 2-rank gloo ones are CI's),
-    # sanitizer, large-config losses
+    # sanitizer, large-config losses, 500-step memory growth
     k="not four"  # 4 ranks: gloo in CI, NCCL in `scaling`
     [ "$ngpu" -eq 1 ] && k="single_rank or test_kjt"
     [ "$ngpu" -ge 4 ] && k=""
@@ -40,6 +40,10 @@ case "${1:-}" in
     python3 scripts/bench_pipeline.py --config large --deterministic --repeats 1 --warmup 2 \
       --steps 10 --sharding "$sharding" --pipelines torchrec,recpipe --json "$out/large-det-$ngpu.json" \
       2>&1 | tee "$out/large-det.log" | grep -E "vs|identical across all|rror"
+    # 500 steps: allocated memory from mid-run to the end must not grow
+    python3 scripts/bench_pipeline.py --config small --repeats 1 --warmup 5 --steps 500 \
+      --sharding "$sharding" --pipelines torchrec,recpipe --json "$out/growth-$ngpu.json" \
+      2>&1 | tee "$out/growth.log" | grep -E "^  run|rror"
     ;;&
   pipeline|pipeline-bench)  # large config, alternating runs
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
