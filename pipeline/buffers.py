@@ -7,9 +7,11 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (share
   ``record_stream``. The data_dist stream waits on an event recorded on main after the
   allocation (a block handed to main may still be read by main's queued kernels).
 - :class:`BufferRing` (P1, the feature-order permute in ``input_dist``): pipeline-owned buffers,
-  one slot per batch in flight. A slot is written on data_dist only after an event recorded on
-  main at the end of the step that last used it, a step earlier, so the wait costs nothing and
-  no host sync on data_dist ever waits for main's queued work.
+  one slot per batch in flight. A slot is written only after an event recorded on main at the
+  end of the step that last used it. Whole permute (3 slots): written on data_dist, the step
+  that last used the slot was queued a step earlier, so the wait costs nothing and no host sync
+  on data_dist waits for main's queued work. Split permute (:meth:`BufferRing.split_runner`,
+  2 slots, values/weights only): written on a side stream, which alone waits for the slot.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class _Slot:
 class BufferRing:
     """Pipeline-owned P1 output buffers: ``depth`` slots, batch ``i`` uses slot ``i % depth``.
 
-    Contract: the pipeline calls :meth:`allocator` on the data_dist stream for each batch's
-    input dist, and :meth:`release` on the main stream once the batch's forward, backward and
+    Contract: the pipeline calls :meth:`allocator` on the stream that writes the slot
+    (data_dist, or the side stream of :meth:`split_runner`) for each batch's input dist, and :meth:`release` on the main stream once the batch's forward, backward and
     optimizer step are queued (its last use of the slot; on several ranks main has by then
     waited on data_dist, so the all-to-all reads of the slot are covered too). Results are
     views of the slot; a slot whose memory is still used by a view when its turn comes again

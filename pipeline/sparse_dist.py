@@ -4,7 +4,8 @@ A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``
 where the two permutes of the sparse input distribution write (shared/DESIGN.md):
 
 - P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
-  pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight.
+  pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight
+  (3 slots for the whole permute, 2 for the split one).
   By default only at world size 1, where torchrec's all-to-all is skipped and the permuted KJT
   itself is what the main stream reads (record_stream'd); there the lengths are permuted on
   data_dist and the values into a 2-slot ring on a side stream (``split_input_dist_permute``). With more ranks the all-to-all reads
@@ -17,7 +18,8 @@ where the two permutes of the sparse input distribution write (shared/DESIGN.md)
   (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
 
 Neither needs ``record_stream`` (torchrec still calls it on the KJT; for main-stream memory it is
-a no-op, and ring memory is never freed while in use). Everything else is torchrec's code path,
+a no-op, and ring memory is never freed while in use); the split permute's lengths (small, fresh
+data_dist memory) do rely on it. Everything else is torchrec's code path,
 so the losses are bit-identical: recpipe's permute gives fbgemm's results exactly.
 """
 
@@ -95,10 +97,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     #: Permute the lengths on data_dist at once (fresh memory) and the values/weights into a
     #: depth-2 ring on a side stream that alone waits for the slot; data_dist waits for the
     #: values at the end of ``wait_sparse_data_dist``, after the host's read. None (default):
-    #: wherever allowed, i.e. world size 1 without row-wise tables (with more ranks the values
+    #: wherever allowed, i.e. world size 1, the ring on, no row-wise tables (with more ranks the values
     #: all-to-all is queued before data_dist could wait; a row-wise input dist bucketizes the
     #: values on data_dist). Measured on 1 H100, large config (README): 0.99x torchrec's
-    #: ms/iter, 990 MiB less peak reserved; the depth-3 ring: 1.00x, +28 MiB.
+    #: ms/iter, 990 MiB less peak reserved; the depth-3 ring: 0.995x, +28 MiB.
     split_input_dist_permute: bool | None = None
     #: P1 into the ring: None (default) = at world size 1 only (see the module docstring).
     ring_feature_permute: bool | None = None

@@ -170,8 +170,8 @@ def use_deterministic_kernels() -> None:
     """Make this process's GPU runs repeatable, so that two runs' losses compare bit for bit:
     fbgemm's TBE backward then sums all rows of an id in one CTA (by default, ids with over
     1024 rows in a batch are split over CTAs that add with atomics), and cuBLAS gets a fixed
-    workspace. Warns, not fails, on ops without a deterministic kernel. Call before any CUDA
-    work. Slower: 1.27x torchrec's ms/iter on the large config (1 H100)."""
+    workspace. Warns, not fails, on ops without a deterministic kernel. Call before the first
+    matmul (cuBLAS reads the workspace setting when it makes its handle). Slower: 1.27x torchrec's ms/iter on the large config (1 H100)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
 

@@ -3,14 +3,14 @@
     python scripts/bench_pipeline.py --config small                    # 1 GPU (or CPU)
     torchrun --nproc-per-node=2 scripts/bench_pipeline.py --config large
 
-Each pipeline runs ``--repeats`` times, alternating (identical runs differ by several ms and a
-few hundred MiB on 2 H200), each run in fresh processes (``torchrun``, so that no allocator
+Each pipeline runs ``--repeats`` times, alternating (identical runs can differ by several ms and
+a few hundred MiB), each run in fresh processes (``torchrun``, so that no allocator
 state or model leaks from one run into the next): ``--warmup`` steps, then ``--steps`` timed
 steps. The data is made once per rank and cached under ``--data-dir``. Per step: CUDA events on the main stream around ``progress()``. Per
 run: peak allocated/reserved (``torch.cuda.max_memory_*``), allocator retries. The table (rank
 0's numbers) shows medians over the runs with min-max; losses of every run are checked equal
-across pipelines. ``KJT MiB``: bytes of one batch's permuted KJTs on this rank (the input KJTs,
-all features kept).
+across pipelines. The title gives the bytes of one batch's permuted KJTs on this rank (the input
+KJTs, all features kept).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for color, (name, rs) in zip(("tab:red", "tab:blue", "tab:green", "tab:orange"), runs.items()):
+    for color, (name, rs) in zip(cycle(plt.get_cmap("tab10").colors), runs.items()):
         for i, r in enumerate(rs):
             ax.plot(r["reserved_per_step"], color=color, alpha=0.7, label=name if i == 0 else None)
     ax.set_xlabel("step (warm-up included)")

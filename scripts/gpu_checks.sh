@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of the open issues, for one device call each (logs and tables under $OUT):
 #   bash scripts/gpu_checks.sh permute    # nvidia-h100-x1: CUDA op tests + bench_permute
-#   bash scripts/gpu_checks.sh pipeline   # any GPU count: parity, sanitizer, large bench
-#        (pipeline-checks / pipeline-bench: the first two / the bench alone)
+#   bash scripts/gpu_checks.sh pipeline   # any GPU count: pipeline-checks + pipeline-bench
+#        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
+#        pipeline-bench: large config, 5 alternating runs per pipeline
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: tests, latency, DDP vs nccl vs symm_mem
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce

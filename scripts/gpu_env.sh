@@ -2,7 +2,7 @@
 #     source .devenv/install.sh && source scripts/gpu_env.sh && python3 ...
 # Installs the carried test wheels (.whl/, if any) into /tmp/site and makes `recpipe.*` importable
 # from this checkout without a build (a package folder of symlinks to ops/, kjt/, pipeline/).
-# Keeps NVLink multicast off (shared machines: DEVELOPERS.md).
+# Keeps NVLink multicast off (shared machines: never use multicast).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ] && [ ! -f /tmp/site/.whl-ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

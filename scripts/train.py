@@ -1,6 +1,6 @@
 """Train the synthetic DLRM-style model with torchrec's or recpipe's pipeline (Hydra config).
 
-    python scripts/train.py                                    # 1 CPU process (gloo), < 2 min
+    python scripts/train.py                                    # 1 CPU process (gloo), ~15 s
     python scripts/train.py pipeline=torchrec trainer.steps=100
     torchrun --nproc-per-node=2 scripts/train.py hardware=cuda
     python scripts/train.py -m pipeline=torchrec,recpipe       # a sweep (Hydra multirun)
