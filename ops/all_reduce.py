@@ -23,7 +23,8 @@ Under ``torch.compile`` the inductor lowering registered here (the same code on 
 
 1. the input is computed in the graph with a static shape: its producer writes straight into a
    symmetric buffer (inductor's ``empty_strided_p2p``) and ``symm_all_reduce`` runs on it, no
-   copy;
+   copy (except from 4 ranks above ``ONE_SHOT_MAX_BYTES``, where two-shot after a copy moves
+   fewer bytes: :func:`one_shot_in_place`);
 2. otherwise (a graph input, or a buffer inductor does not allocate itself):
    ``symm_all_reduce_copy``, one DMA copy (where inductor itself would add an identity Triton
    kernel on 2.13, or fail on 2.11). Inductor drops a ``cat`` of one tensor, so a
@@ -108,17 +109,30 @@ def _(input: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
+def one_shot_in_place(nbytes: int, group_name: str) -> bool:
+    """Whether a computed input of ``nbytes`` is reduced in place, one-shot, rather than copied
+    and reduced two-shot. One-shot reads every peer's whole buffer: (w-1)·n bytes per rank over
+    NVLink; two-shot reads 2(w-1)/w·n. At 2 ranks that is the same, so the copy never pays; from
+    4 ranks above ``ONE_SHOT_MAX_BYTES`` the local copy (device memory bandwidth) costs less
+    than the extra NVLink reads."""
+    return nbytes <= ONE_SHOT_MAX_BYTES or _group_size(group_name) < 4
+
+
 def _register_lowering() -> None:
     """Inductor: realize a computed input of ``symm_all_reduce`` in symmetric memory (no copy),
     else call ``symm_all_reduce_copy`` (see the module docstring)."""
     from torch._inductor import comm_lowering, ir
     from torch._inductor.lowering import register_lowering
+    from torch._inductor.utils import sympy_product
     from torch.utils import _pytree as pytree
 
     @register_lowering(torch.ops.recpipe.symm_all_reduce.default, type_promotion_kind=None)
     def _lower(inp: Any, group_name: str) -> Any:
         op = torch.ops.recpipe.symm_all_reduce_copy.default
-        if comm_lowering.can_realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM):
+        nbytes = int(sympy_product(inp.get_size())) * inp.get_dtype().itemsize
+        if one_shot_in_place(nbytes, group_name) and comm_lowering.can_realize_as_comm_buffer(
+            inp, ir.CommBufferType.SYMM_MEM
+        ):
             comm_lowering.realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM, group_name)
             op = torch.ops.recpipe.symm_all_reduce.default
         return pytree.tree_map(ir.TensorBox.create, ir.FallbackKernel.create(op, inp, group_name))

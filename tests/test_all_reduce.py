@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from recpipe.ops import all_reduce
 from recpipe.ops.all_reduce import (
     ONE_SHOT_MAX_BYTES,
     SYMM_MAX_BYTES,
@@ -79,6 +80,16 @@ def test_lowering_reduces_computed_inputs_in_place_and_copies_graph_inputs(monke
         out, (code,) = run_and_get_code(graph_input, a)
         torch.testing.assert_close(out, 2 * a)
         assert "recpipe.symm_all_reduce_copy.default(arg" in code and not realized, code
+        # Above ONE_SHOT_MAX_BYTES: in place at 2 ranks; from 4 ranks copied (two-shot).
+        big = torch.randn(ONE_SHOT_MAX_BYTES // 8 + 8)  # fp32, the cat of two: > 1 MiB
+        for world, in_place in ((2, True), (4, False)):
+            realized.clear()
+            monkeypatch.setattr(all_reduce, "_group_size", lambda name, w=world: w)
+            fn = compile_symmetric(lambda x: torch.ops.recpipe.symm_all_reduce(torch.cat([x * 2, x]), "g"))
+            out, (code,) = run_and_get_code(fn, big)
+            torch.testing.assert_close(out, 2 * torch.cat([big * 2, big]))
+            assert bool(realized) == in_place, (world, code)
+            assert ("symm_all_reduce_copy" in code) != in_place, (world, code)
     finally:
         lib._destroy()
 
