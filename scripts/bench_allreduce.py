@@ -15,8 +15,9 @@ Every variant reduces what a gradient bucket is: ``cat`` of 4 chunks, summed ove
   CUDA the cat writes straight into symmetric memory (no copy) up to ``SYMM_MAX_BYTES``, NCCL
   above; on CPU, gloo.
 
-Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls, each timed with CUDA
-events (wall clock on CPU), variants interleaved; bus bandwidth ``2 (n-1)/n * bytes / time``;
+Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls, each after a barrier
+and timed with CUDA events behind a spin kernel (:func:`time_us`; wall clock on CPU), variants
+interleaved; bus bandwidth ``2 (n-1)/n * bytes / time``;
 the ratio to ``nccl``. Rank 0 prints a markdown table. Multicast stays off.
 """
 
@@ -79,9 +80,16 @@ def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.
     return chunks, out
 
 
+_SPIN_CYCLES = 1_000_000  # ~0.5 ms at H100/H200 clocks: longer than the host time of any call
+
+
 def time_us(fn, device: torch.device) -> float:
+    """Device time of one call (CUDA: events, with a spin kernel queued first, so that the
+    host has queued the whole call before the GPU reaches it: launch and Python costs, hidden
+    behind the GPU in training, are not counted); wall clock on CPU."""
     if device.type == "cuda":
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SPIN_CYCLES)
         s.record()
         fn()
         e.record()
