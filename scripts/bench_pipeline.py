@@ -34,6 +34,7 @@ from torch.cuda import _sanitizer
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
+from recpipe.pipeline.data_parallel import BucketedAllReduce
 from recpipe.pipeline.synthetic import (
     ModelSpec,
     build_sharded,
@@ -50,6 +51,8 @@ CONFIGS = {
                        weighted=False, sequence=False),
     "tiny": ModelSpec(num_tables=4, rows=1000, dim=16, batch_size=64, pooling=4),
 }
+
+
 class RecpipeRing3(RecpipePipeline):
     split_input_dist_permute = False  # world size 1: whole permute into a depth-3 ring
 
@@ -76,6 +79,14 @@ PIPELINES = {
     "recpipe_ring3": RecpipeRing3,
     "recpipe_ring2": RecpipeRing2,
     "recpipe_ring": RecpipeRing,
+    "recpipe_nccl_ar": RecpipePipeline,
+    "recpipe_symm_ar": RecpipePipeline,
+}
+# The dense part's gradient all-reduce (default: torchrec's DDP): recpipe's compiled bucketed
+# all-reduce through NCCL (gloo on CPU), or through symmetric memory (CUDA, one host).
+DENSE_ALLREDUCE = {
+    "recpipe_nccl_ar": lambda: BucketedAllReduce(compile=True),
+    "recpipe_symm_ar": lambda: BucketedAllReduce(symm_mem=True),
 }
 
 
@@ -92,7 +103,9 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     """One pipeline on a fresh model for ``warmup + steps`` steps: per-step ms, losses, memory.
     ``prof``: a torch.profiler.profile with a schedule, stepped once per step."""
     cuda = device.type == "cuda"
-    model, optimizer = build_sharded(spec, sharding, device, dist.group.WORLD, seed=1)
+    dense = DENSE_ALLREDUCE.get(name)
+    model, optimizer = build_sharded(spec, sharding, device, dist.group.WORLD, seed=1,
+                                     data_parallel=dense() if dense else None)
     pipeline = PIPELINES[name](model, optimizer, device)
     it = iter(islice(cycle(data), warmup + steps))
     losses, times, allocated, reserved = [], [], [], []

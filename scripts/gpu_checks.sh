@@ -5,6 +5,7 @@
 #        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
 #        pipeline-bench: large config, 5 alternating runs per pipeline
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: tests, latency, DDP vs nccl vs symm_mem
+#        (losses over 100 training steps; step time: bench_pipeline, 5 alternating runs)
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
@@ -67,6 +68,10 @@ case "${1:-}" in
       python3 scripts/compare_metrics.py "$out"/allreduce-ddp/*/metrics.jsonl \
         "$out"/allreduce-$v/*/metrics.jsonl --rtol 1e-5
     done
+    # the step time with each dense all-reduce, alternating runs (DDP = plain recpipe)
+    python3 scripts/bench_pipeline.py --config small --repeats "${REPEATS:-5}" --sharding "$sharding" \
+      --pipelines recpipe,recpipe_nccl_ar,recpipe_symm_ar --json "$out/dense-$ngpu.json" \
+      --out "$out/dense.md" 2>&1 | tee "$out/dense.log" | grep -E "^\||vs|identical|^###|rror"
     ;;
   train)  # needs >= 2 GPUs (issue 5): torchrun training with both pipelines, then the bench
     for p in torchrec recpipe; do
