@@ -1,4 +1,6 @@
-"""scripts/compare_metrics.py: the check that decides "losses identical" in the GPU runs."""
+"""The scripts the GPU runs depend on: compare_metrics.py (the check that decides "losses
+identical"), and the two benchmarks end to end on CPU (tiny sizes: they must not break before a
+device call, where time is scarce)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_metrics.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "compare_metrics.py"
 
 
 def _metrics(path: Path, losses: list[float]) -> str:
@@ -34,3 +37,29 @@ def test_compare_metrics(tmp_path: Path, other: list[float], rtol: str, ok: bool
     b = _metrics(tmp_path / "b.jsonl", other)
     rc = subprocess.run([sys.executable, str(SCRIPT), a, b, "--rtol", rtol], capture_output=True).returncode
     assert (rc == 0) == ok
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_bench_pipeline_runs_every_dense_allreduce_variant(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    r = _run(str(SCRIPTS / "bench_pipeline.py"), "--config=tiny", "--nproc=1", "--repeats=1",
+             "--warmup=1", "--steps=3", "--pipelines=torchrec,recpipe,recpipe_nccl_ar",
+             f"--data-dir={tmp_path}", f"--json={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "losses bit-identical across all 3 runs: True" in r.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["torchrec", "recpipe", "recpipe_nccl_ar"]
+    assert all(len(rs[0]["ms"]) == 3 for rs in runs.values())
+
+
+def test_bench_allreduce_prints_a_row_per_variant(tmp_path: Path) -> None:
+    out = tmp_path / "a.json"
+    r = _run("-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29561",
+             str(SCRIPTS / "bench_allreduce.py"), "--sizes=4K", "--dtypes=float32",
+             "--iters=2", "--warmup=1", f"--json={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["variant"] for x in rows] == ["nccl", "compiled"] and rows[0]["vs_nccl"] == 1.0
