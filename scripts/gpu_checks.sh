@@ -30,7 +30,7 @@ case "${1:-}" in
     k="not four"  # 4 ranks: gloo in CI, NCCL in `scaling`
     [ "$ngpu" -eq 1 ] && k="single_rank or test_kjt"
     [ "$ngpu" -ge 4 ] && k=""
-    python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py -k "$k" \
+    python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py -k "$k" \
       2>&1 | tee "$out/parity.log" | tail -3
     csan_pipelines=torchrec,recpipe
     [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe,recpipe_ring3
@@ -55,7 +55,7 @@ case "${1:-}" in
     ;;
   pipeline-checks) ;;
   allreduce)  # needs >= 2 GPUs: GPU tests, latency table, then training with each dense all-reduce
-    python3 -m pytest -q -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
+    python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
       2>&1 | tee "$out/allreduce_tests.log" | tail -3
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
