@@ -4,8 +4,9 @@
 #   bash scripts/gpu_checks.sh pipeline   # any GPU count: pipeline-checks + pipeline-bench
 #        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
 #        pipeline-bench: large config, 5 alternating runs per pipeline
-#   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: tests, latency, DDP vs nccl vs symm_mem
-#        (losses over 100 training steps; step time: bench_pipeline, 5 alternating runs)
+#   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: allreduce-checks + allreduce-bench
+#        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
+#        allreduce-bench: step time with each dense all-reduce, 5 alternating runs
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
@@ -54,7 +55,7 @@ case "${1:-}" in
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
   pipeline-checks) ;;
-  allreduce)  # needs >= 2 GPUs: GPU tests, latency table, then training with each dense all-reduce
+  allreduce|allreduce-checks)  # >= 2 GPUs: GPU tests, latency table, 100 training steps each
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
       2>&1 | tee "$out/allreduce_tests.log" | tail -3
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
@@ -68,11 +69,13 @@ case "${1:-}" in
       python3 scripts/compare_metrics.py "$out"/allreduce-ddp/*/metrics.jsonl \
         "$out"/allreduce-$v/*/metrics.jsonl --rtol 1e-5
     done
-    # the step time with each dense all-reduce, alternating runs (DDP = plain recpipe)
+    ;;&
+  allreduce|allreduce-bench)  # the step time with each dense all-reduce (DDP = plain recpipe)
     python3 scripts/bench_pipeline.py --config small --repeats "${REPEATS:-5}" --sharding "$sharding" \
       --pipelines recpipe,recpipe_nccl_ar,recpipe_symm_ar --json "$out/dense-$ngpu.json" \
       --out "$out/dense.md" 2>&1 | tee "$out/dense.log" | grep -E "^\||vs|identical|^###|rror"
     ;;
+  allreduce-checks) ;;
   train)  # needs >= 2 GPUs (issue 5): torchrun training with both pipelines, then the bench
     for p in torchrec recpipe; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
@@ -96,5 +99,5 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench]|allreduce|train|scaling" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench]|allreduce[-checks|-bench]|train|scaling" >&2; exit 2 ;;
 esac
