@@ -112,10 +112,13 @@ def _(input: torch.Tensor, group_name: str) -> torch.Tensor:
 def one_shot_in_place(nbytes: int, group_name: str) -> bool:
     """Whether a computed input of ``nbytes`` is reduced in place, one-shot, rather than copied
     and reduced two-shot. One-shot reads every peer's whole buffer: (w-1)·n bytes per rank over
-    NVLink; two-shot reads 2(w-1)/w·n. At 2 ranks that is the same, so the copy never pays; from
-    4 ranks above ``ONE_SHOT_MAX_BYTES`` the local copy (device memory bandwidth) costs less
-    than the extra NVLink reads."""
-    return nbytes <= ONE_SHOT_MAX_BYTES or _group_size(group_name) < 4
+    NVLink; two-shot reads 2(w-1)/w·n. At 2 ranks that is the same, so the copy never pays; at
+    4 and 8 ranks (where the copy path runs two-shot) above ``ONE_SHOT_MAX_BYTES`` the local
+    copy (device memory bandwidth) costs less than the extra NVLink reads."""
+    if nbytes <= ONE_SHOT_MAX_BYTES:
+        return True
+    world = _group_size(group_name)
+    return world < 4 or world not in _TWO_SHOT_WORLDS  # the copy path's two-shot: 2, 4, 8
 
 
 def _register_lowering() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,15 @@ def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
         return buffers
 
     return alloc
+
+
+class SideWrite(NamedTuple):
+    """A split permute's values/weights write on the side stream: ``event`` recorded after it;
+    ``inputs``, the data_dist tensors it reads, kept alive until data_dist has waited on
+    ``event`` (so that data_dist cannot reuse their memory before the side stream read it)."""
+
+    event: torch.cuda.Event
+    inputs: tuple[torch.Tensor | None, ...]
 
 
 @dataclass
@@ -109,16 +119,18 @@ class BufferRing:
         return alloc
 
     def split_runner(
-        self, batch_index: int, side: torch.cuda.Stream | None, done: list[torch.cuda.Event]
+        self, batch_index: int, side: torch.cuda.Stream | None, done: list[SideWrite]
     ) -> Runner:
         """A runner for batch ``batch_index``'s permutes that keeps the slot wait off data_dist.
 
         The permuted lengths (what the splits all-to-all is computed from, and read on the
         host) are made on the current (data_dist) stream at once, in fresh memory; the values
         and weights go into the ring slot on ``side``, which waits for data_dist's inputs and
-        for the slot's release. An event per permute is appended to ``done``: data_dist must
-        wait on them before anything reads the values (world size 1: after the splits read).
-        ``side=None`` (CPU) runs both parts in order on the current stream.
+        for the slot's release. A :class:`SideWrite` per permute is appended to ``done``:
+        data_dist must wait on its event before anything reads the values (world size 1: after
+        the splits read), and the caller drops it only then (it holds the inputs, data_dist
+        memory that ``side`` reads). ``side=None`` (CPU) runs both parts in order on the
+        current stream.
         """
         into_slot = write_into(self.allocator(batch_index))
 
@@ -137,7 +149,7 @@ class BufferRing:
                 _, values_out, weights_out = into_slot(permute, lengths, values, weights, total)
                 event = torch.cuda.Event()
                 event.record(side)
-            done.append(event)
+            done.append(SideWrite(event, (permute, lengths, values, weights)))
             return lengths_out, values_out, weights_out
 
         return run

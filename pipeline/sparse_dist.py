@@ -38,7 +38,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.distributed.types import Awaitable
 
 from recpipe.kjt import PermuteInto, write_into
-from recpipe.pipeline.buffers import BufferRing, main_stream_allocator
+from recpipe.pipeline.buffers import BufferRing, SideWrite, main_stream_allocator
 from recpipe.pipeline.compat import (
     clears_data_dist_inputs,
     dist_init_on_main_stream,
@@ -131,7 +131,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
         self.split_input_dist_permute = split  # resolved: what this pipeline does
         if split:
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
-            self._values_done: dict[int, list[torch.cuda.Event]] = {}
+            self._values_done: dict[int, list[SideWrite]] = {}
         self._ring = BufferRing(
             main, 2 if split else self.ring_depth, stale_refs=stale_index_refs(self._model)
         )
@@ -161,8 +161,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     def wait_sparse_data_dist(self, context: Any) -> None:
         super().wait_sparse_data_dist(context)
         if self.split_input_dist_permute:  # the splits are read: now data_dist needs the values
-            for event in self._values_done.pop(context.index, []):  # none on CPU
-                self._data_dist_stream.wait_event(event)
+            for write in self._values_done.pop(context.index, []):  # none on CPU
+                self._data_dist_stream.wait_event(write.event)  # then its inputs may go
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.

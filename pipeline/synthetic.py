@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -166,14 +167,26 @@ def _zipf_ids(n: int, rows: int, a: float, g: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u).clamp_(max=rows - 1)
 
 
-def use_deterministic_kernels() -> None:
-    """Make this process's GPU runs repeatable, so that two runs' losses compare bit for bit:
-    fbgemm's TBE backward then sums all rows of an id in one CTA (by default, ids with over
-    1024 rows in a batch are split over CTAs that add with atomics), and cuBLAS gets a fixed
-    workspace. Warns, not fails, on ops without a deterministic kernel. Call before the first
-    matmul (cuBLAS reads the workspace setting when it makes its handle). Slower: 1.27x torchrec's ms/iter on the large config (1 H100)."""
+@contextmanager
+def deterministic_kernels(enabled: bool = True) -> Iterator[None]:
+    """Within the block (if ``enabled``), GPU runs are repeatable, so that two runs' losses
+    compare bit for bit: fbgemm's TBE backward sums all rows of an id in one CTA (by default,
+    ids with over 1024 rows in a batch are split over CTAs that add with atomics), cuBLAS gets
+    a fixed workspace, and ``torch.empty`` fills memory. Warns, not fails, on ops without a
+    deterministic kernel. Enter before the first matmul (cuBLAS reads the workspace setting
+    when it makes its handle). Slower: 1.27x torchrec's ms/iter on the large config (1 H100).
+    The previous setting is restored on exit."""
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def make_batch(spec: ModelSpec, seed: int, empty: bool = False) -> Batch:

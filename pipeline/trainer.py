@@ -28,7 +28,7 @@ from recpipe.pipeline.synthetic import (
     ModelSpec,
     build_sharded,
     make_batch,
-    use_deterministic_kernels,
+    deterministic_kernels,
 )
 from recpipe.pipeline.train_config import TrainConfig
 
@@ -102,10 +102,13 @@ def run_dir(cfg: TrainConfig) -> str:
 def train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
     """Train ``cfg.trainer.steps`` steps (from the checkpoint if ``resume``); returns rank 0's
     logged metrics (also in ``out_dir/metrics.jsonl``)."""
+    with deterministic_kernels(cfg.trainer.deterministic):
+        return _train(cfg, device, out_dir)
+
+
+def _train(cfg: TrainConfig, device: torch.device, out_dir: str) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = cfg.trainer
-    if t.deterministic:
-        use_deterministic_kernels()
     spec = model_spec(cfg)
     allreduce = cfg.pipeline.dense_allreduce
     if allreduce == "auto":

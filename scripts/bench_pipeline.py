@@ -39,7 +39,7 @@ from recpipe.pipeline.synthetic import (
     ModelSpec,
     build_sharded,
     make_batch,
-    use_deterministic_kernels,
+    deterministic_kernels,
 )
 
 CONFIGS = {
@@ -152,8 +152,6 @@ def child(a: argparse.Namespace) -> None:
     """One measurement (``--run-one NAME``), on every rank of a torchrun group."""
     cuda = torch.cuda.is_available()
     rank = int(os.environ.get("RANK", 0))
-    if a.deterministic:
-        use_deterministic_kernels()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -173,7 +171,8 @@ def child(a: argparse.Namespace) -> None:
 
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                        schedule=schedule(wait=a.warmup, warmup=1, active=3, repeat=1))
-    res = run_once(a.run_one, spec, a.sharding.split(","), device, data, a.warmup, a.steps, prof)
+    with deterministic_kernels(a.deterministic):
+        res = run_once(a.run_one, spec, a.sharding.split(","), device, data, a.warmup, a.steps, prof)
     if prof is not None:
         os.makedirs(a.profile, exist_ok=True)
         prof.export_chrome_trace(os.path.join(a.profile, f"{a.run_one}-rank{rank}.json"))
@@ -299,11 +298,10 @@ def main() -> None:
                  or (k in ("batch_size", "profile") and v)]
     forwarded += ["--deterministic"] if a.deterministic else []
     for r in range(a.repeats):
-        for i, name in enumerate(names):
+        for name in names:
             result = os.path.join(a.data_dir, f"result-{name}-{r}.json")
-            port = 29600 + (r * len(names) + i) % 200
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.nproc}",
-                   f"--master-port={port}", __file__, f"--run-one={name}", f"--result={result}",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={a.nproc}", __file__, f"--run-one={name}", f"--result={result}",
                    *forwarded]
             subprocess.run(cmd, check=True)
             with open(result) as f:

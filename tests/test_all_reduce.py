@@ -80,9 +80,10 @@ def test_lowering_reduces_computed_inputs_in_place_and_copies_graph_inputs(monke
         out, (code,) = run_and_get_code(graph_input, a)
         torch.testing.assert_close(out, 2 * a)
         assert "recpipe.symm_all_reduce_copy.default(arg" in code and not realized, code
-        # Above ONE_SHOT_MAX_BYTES: in place at 2 ranks; from 4 ranks copied (two-shot).
+        # Above ONE_SHOT_MAX_BYTES: in place at 2 ranks (and 6: no two-shot there); copied for
+        # two-shot at 4 and 8.
         big = torch.randn(ONE_SHOT_MAX_BYTES // 8 + 8)  # fp32, the cat of two: > 1 MiB
-        for world, in_place in ((2, True), (4, False)):
+        for world, in_place in ((2, True), (4, False), (6, True), (8, False)):
             realized.clear()
             monkeypatch.setattr(all_reduce, "_group_size", lambda name, w=world: w)
             fn = compile_symmetric(lambda x: torch.ops.recpipe.symm_all_reduce(torch.cat([x * 2, x]), "g"))

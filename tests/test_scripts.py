@@ -57,7 +57,7 @@ def test_bench_pipeline_runs_every_dense_allreduce_variant(tmp_path: Path) -> No
 
 def test_bench_allreduce_prints_a_row_per_variant(tmp_path: Path) -> None:
     out = tmp_path / "a.json"
-    r = _run("-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29561",
+    r = _run("-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
              str(SCRIPTS / "bench_allreduce.py"), "--sizes=4K", "--dtypes=float32",
              "--iters=2", "--warmup=1", f"--json={out}")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -88,7 +88,7 @@ def test_torchrun_two_ranks_both_pipelines_agree(tmp_path: Path) -> None:
     for pipeline in ("torchrec", "recpipe"):
         out = tmp_path / pipeline
         r = _run(
-            ["-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29547",
+            ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
              str(ROOT / "scripts/train.py"), f"pipeline={pipeline}", "trainer.steps=30",
              "trainer.deterministic=true",  # as the GPU check runs it
              "trainer.log_interval=10", f"output_dir={out}"],
