@@ -119,8 +119,14 @@ class BucketedAllReduce(DataParallelWrapper):
             compiled = torch.compile(self._reduce, fullgraph=True, dynamic=False)
 
         def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            # Set and restored by hand: ``config.patch`` costs ~250 us per call (per bucket
+            # and step, in backward), this ~4 us.
+            config = torch._dynamo.config
+            saved, config.recompile_limit = config.recompile_limit, _RECOMPILE_LIMIT
+            try:
                 return compiled(grads, group)
+            finally:
+                config.recompile_limit = saved
 
         return reduce
 
