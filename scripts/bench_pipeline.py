@@ -35,6 +35,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as Torch
 
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
 from recpipe.pipeline.data_parallel import BucketedAllReduce
+from recpipe.pipeline.launch import rank_backend_device
 from recpipe.pipeline.synthetic import (
     ModelSpec,
     build_sharded,
@@ -150,12 +151,13 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
 
 def child(a: argparse.Namespace) -> None:
     """One measurement (``--run-one NAME``), on every rank of a torchrun group."""
-    cuda = torch.cuda.is_available()
     rank = int(os.environ.get("RANK", 0))
+    backend, device = rank_backend_device(int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     spec = config(a)
     path = os.path.join(a.data_dir, f"{a.config}-b{spec.batch_size}-rank{rank}.pt")
     if os.path.exists(path):
@@ -177,7 +179,8 @@ def child(a: argparse.Namespace) -> None:
         os.makedirs(a.profile, exist_ok=True)
         prof.export_chrome_trace(os.path.join(a.profile, f"{a.run_one}-rank{rank}.json"))
     res.update(kjt_mib=kjt_bytes(data[0]) / 2**20, world=dist.get_world_size(),
-               device=torch.cuda.get_device_name() if cuda else "cpu")
+               device=(torch.cuda.get_device_name() + (" (ranks share it, gloo)" if backend == "gloo" else ""))
+               if cuda else "cpu")
     if rank == 0:
         with open(a.result, "w") as f:
             json.dump(res, f)

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_checks.sh pipeline   # any GPU count: pipeline-checks + pipeline-bench
 #        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
 #        pipeline-bench: large config, 5 alternating runs per pipeline
+#   bash scripts/gpu_checks.sh pipeline-shared  # 1 GPU: 2 gloo ranks share it (P2 on CUDA)
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: allreduce-checks + allreduce-bench
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
 #        allreduce-bench: step time with each dense all-reduce, 5 alternating runs
@@ -55,6 +56,22 @@ case "${1:-}" in
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
   pipeline-checks) ;;
+  pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the
+    # multi-rank path (the all-to-all, P2) runs on real CUDA streams: parity incl. row-wise, the
+    # sanitizer, and per-rank memory at the large size (timings mean nothing: gloo goes via host)
+    export RECPIPE_SHARED_GPU=1
+    python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pipeline_parity.py \
+      -k "not single_rank and not four and not detects" 2>&1 | tee "$out/parity-shared.log" | tail -3
+    TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --nproc 2 --config tiny --repeats 1 \
+      --warmup 2 --steps 8 --sharding table_wise,row_wise,column_wise \
+      --pipelines torchrec,recpipe,recpipe_ring >"$out/csan-shared.log" 2>&1
+    echo "sanitizer (2 ranks): rc=$? reports=$(grep -ci 'data race' "$out/csan-shared.log")" \
+      "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan-shared.log")"
+    python3 scripts/bench_pipeline.py --nproc 2 --config large --repeats "${REPEATS:-2}" --warmup 3 \
+      --steps 6 --sharding table_wise,column_wise --pipelines torchrec,recpipe \
+      --json "$out/large-shared.json" --out "$out/large-shared.md" 2>&1 | tee "$out/large-shared.log" \
+      | grep -E "^  run|^\||vs|identical|^###|rror"
+    ;;
   allreduce|allreduce-checks)  # >= 2 GPUs: GPU tests, latency table, 100 training steps each
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
       2>&1 | tee "$out/allreduce_tests.log" | tail -3
@@ -99,5 +116,5 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench]|allreduce[-checks|-bench]|train|scaling" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench]|train|scaling" >&2; exit 2 ;;
 esac

@@ -1,4 +1,5 @@
-"""Run a function on N local ranks (gloo on CPU, NCCL on GPUs), collecting return values."""
+"""Run a function on N local ranks (gloo on CPU, NCCL on GPUs: ``recpipe.pipeline.launch``),
+collecting return values."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from recpipe.pipeline.launch import rank_backend_device
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,12 +24,11 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    backend, device = rank_backend_device(rank, world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         queue.put((rank, fn(rank, world, device, *args), None))
     except BaseException:  # report, don't hang the parent
         queue.put((rank, None, traceback.format_exc()))

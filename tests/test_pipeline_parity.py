@@ -1,7 +1,8 @@
 """recpipe's TrainPipelineSparseDist against torchrec's: bit-identical losses, on 2 ranks.
 
 CPU/gloo in CI (table-wise and column-wise; the planner offers no row-wise on CPU); on a GPU
-machine with 2 GPUs the same test runs on NCCL, row-wise included.
+machine with 2 GPUs the same test runs on NCCL, row-wise included (on one GPU shared by the
+ranks with ``RECPIPE_SHARED_GPU=1``: gloo).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from dist_utils import run_ranks
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist
+from recpipe.pipeline.launch import rank_backend_device
 from recpipe.pipeline.sparse_dist import _bucketized
 from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 32
 EMPTY_AT = 7  # one batch without any ids
-GPU2 = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+# 2 ranks on GPUs: NCCL, or gloo with RECPIPE_SHARED_GPU=1 on one GPU (recpipe.pipeline.launch)
+GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
 
 class SplitPermutePipeline(TrainPipelineSparseDist):
