@@ -253,7 +253,10 @@ def build_sharded(
         for i, table in enumerate(spec.tables(module))
     }
     world = pg.size()
-    topology = Topology(world_size=world, compute_device=device.type, local_world_size=world)
+    # the plan places rank r's shards on cuda:(r % local_world_size): ranks may share a GPU
+    # (recpipe.pipeline.launch), so no more local ranks than GPUs
+    local = min(world, torch.cuda.device_count()) if device.type == "cuda" else world
+    topology = Topology(world_size=world, compute_device=device.type, local_world_size=local)
     sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         model, sharders, pg
