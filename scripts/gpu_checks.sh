@@ -57,16 +57,12 @@ case "${1:-}" in
     ;;
   pipeline-checks) ;;
   pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the
-    # multi-rank path (the all-to-all, P2) runs on real CUDA streams: parity incl. row-wise, the
-    # sanitizer, and per-rank memory at the large size (timings mean nothing: gloo goes via host)
+    # multi-rank path (the all-to-all, P2) runs on real CUDA streams: parity incl. row-wise and
+    # per-rank memory at the large size (timings mean nothing: gloo goes via host). No sanitizer:
+    # it cannot see gloo's own stream syncs and flags torchrec's pipeline itself.
     export RECPIPE_SHARED_GPU=1
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pipeline_parity.py \
       -k "not single_rank and not four and not detects" 2>&1 | tee "$out/parity-shared.log" | tail -3
-    TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --nproc 2 --config tiny --repeats 1 \
-      --warmup 2 --steps 8 --sharding table_wise,row_wise,column_wise \
-      --pipelines torchrec,recpipe,recpipe_ring >"$out/csan-shared.log" 2>&1
-    echo "sanitizer (2 ranks): rc=$? reports=$(grep -ci 'data race' "$out/csan-shared.log")" \
-      "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan-shared.log")"
     python3 scripts/bench_pipeline.py --nproc 2 --config large --repeats "${REPEATS:-2}" --warmup 3 \
       --steps 6 --sharding table_wise,column_wise --pipelines torchrec,recpipe \
       --json "$out/large-shared.json" --out "$out/large-shared.md" 2>&1 | tee "$out/large-shared.log" \

@@ -15,7 +15,7 @@ from dist_utils import run_ranks
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.launch import rank_backend_device
+from recpipe.pipeline.launch import SHARED_GPU_ENV, rank_backend_device
 from recpipe.pipeline.sparse_dist import _bucketized
 from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
 
@@ -145,3 +145,16 @@ def test_losses_bit_identical_on_four_ranks() -> None:
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
+
+
+def test_rank_backend_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL with a GPU per rank; gloo on the CPU otherwise, or on a shared GPU when asked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv(SHARED_GPU_ENV, raising=False)
+    assert rank_backend_device(0, 1) == ("nccl", torch.device("cuda", 0))
+    assert rank_backend_device(1, 2) == ("gloo", torch.device("cpu"))
+    monkeypatch.setenv(SHARED_GPU_ENV, "1")
+    assert rank_backend_device(1, 2) == ("gloo", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert rank_backend_device(1, 2) == ("gloo", torch.device("cpu"))
