@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.cuda import _sanitizer
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
+from recpipe.kjt import PermuteInto
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
 from recpipe.pipeline.data_parallel import BucketedAllReduce
 from recpipe.pipeline.launch import rank_backend_device
@@ -66,6 +67,14 @@ class RecpipeRing(RecpipePipeline):
     ring_feature_permute = True  # P1 into the ring on several ranks too (default: 1 rank only)
 
 
+class RecpipeModeOnly(RecpipePipeline):
+    """Diagnostic: recpipe's ``PermuteInto`` mode over the input dist, every P1 permute left
+    to fbgemm: the cost of the interception alone (README: the small config's host time)."""
+
+    def _ring_permutes(self, batch_index: int) -> PermuteInto:
+        return PermuteInto(torch.ops.fbgemm.permute_2D_sparse_data.default)
+
+
 def _torchrec_early_free(*args, **kwargs):
     """torchrec's own early-free option, where the installed torchrec has it (>= 1.8)."""
     if "free_features_storage_early" not in inspect.signature(TorchrecPipeline).parameters:
@@ -80,6 +89,7 @@ PIPELINES = {
     "recpipe_ring3": RecpipeRing3,
     "recpipe_ring2": RecpipeRing2,
     "recpipe_ring": RecpipeRing,
+    "recpipe_mode_only": RecpipeModeOnly,
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
 }
@@ -171,7 +181,7 @@ def child(a: argparse.Namespace) -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                        schedule=schedule(wait=a.warmup, warmup=1, active=3, repeat=1))
     with deterministic_kernels(a.deterministic):
         res = run_once(a.run_one, spec, a.sharding.split(","), device, data, a.warmup, a.steps, prof)
