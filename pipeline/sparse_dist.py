@@ -137,10 +137,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
         )
         #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
         self.redirected: Counter = Counter()
-        # This pipeline's own forward class, so that counts stay per pipeline.
-        self._pipelined_forward_type = type(
-            "RecpipePipelinedForward", (RecpipePipelinedForward,), {"counts": self.redirected}
-        )
+        if world > 1:  # P2, the recat after the all-to-all: only with more than one rank
+            # This pipeline's own forward class, so that counts stay per pipeline.
+            self._pipelined_forward_type = type(
+                "RecpipePipelinedForward", (RecpipePipelinedForward,), {"counts": self.redirected}
+            )
 
     def start_sparse_data_dist(self, batch: Any, context: Any) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
