@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from gpu_timing import device_ms
 from recpipe.ops.all_reduce import all_reduce_sum, compile_symmetric, symmetric_buffer
+from recpipe.pipeline.launch import rank_backend_device
 
 UNITS = {"K": 2**10, "M": 2**20}
 
@@ -80,7 +82,7 @@ def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.
     return chunks, out
 
 
-_SPIN_CYCLES = 1_000_000  # ~0.5 ms at H100/H200 clocks: longer than the host time of any call
+_SPIN_CYCLES = 1_000_000  # ~0.5 ms: longer than the host time of any call here
 
 
 def time_us(fn, device: torch.device) -> float:
@@ -88,13 +90,7 @@ def time_us(fn, device: torch.device) -> float:
     host has queued the whole call before the GPU reaches it: launch and Python costs, hidden
     behind the GPU in training, are not counted); wall clock on CPU."""
     if device.type == "cuda":
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_SPIN_CYCLES)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) * 1e3
+        return device_ms(fn, _SPIN_CYCLES) * 1e3
     t0 = time.perf_counter()
     r = fn()
     if isinstance(r, funcol.AsyncCollectiveTensor):
@@ -115,11 +111,12 @@ def main() -> None:
     # One compiled function per (size, dtype), all from one lambda: dynamo keeps their graphs
     # together, so allow one graph each.
     torch._dynamo.config.recompile_limit = 64
-    cuda = torch.cuda.is_available()
+    backend, device = rank_backend_device(int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     group = dist.group.WORLD
     world = dist.get_world_size()
     if cuda:

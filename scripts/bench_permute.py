@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import fbgemm_gpu  # noqa: F401
 import torch
+from gpu_timing import device_ms
 
 import recpipe.ops
 
@@ -93,9 +94,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-_SPIN_CYCLES = 4_000_000  # ~2 ms at H100 clocks: longer than any host time measured here
-
-
 def measure_once(fn: Callable[[], object], device: str) -> tuple[float, float, int]:
     """(host ms, device ms, peak bytes allocated above the start) of one call."""
     sync(device)
@@ -106,19 +104,14 @@ def measure_once(fn: Callable[[], object], device: str) -> tuple[float, float, i
         return host, host, 0
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     result = fn()
     host = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     del result
-    torch.cuda._sleep(_SPIN_CYCLES)  # the GPU is busy while the host queues the call
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
+    device = device_ms(fn)
     peak = torch.cuda.max_memory_allocated() - base
-    return host, start.elapsed_time(end), peak
+    return host, device, peak
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -12,25 +12,17 @@ import statistics
 
 import torch
 from bench_permute import SHAPES, make_inputs
+import gpu_timing
 
 import recpipe.ops
 from recpipe.ops import permute_triton
 
 
 def device_ms(fn, iters: int = 30) -> float:
-    """GPU execution time: a spin kernel first, so the host has queued the call in time."""
+    """Median of ``iters`` timings (``gpu_timing.device_ms``) after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(4_000_000)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return statistics.median(gpu_timing.device_ms(fn) for _ in range(iters))
 
 
 def main() -> None:
