@@ -12,6 +12,7 @@ from recpipe.kjt.permute import (
     permute_spec,
     write_into,
 )
+from recpipe.kjt.redirect import as_type, redirecting_kjt_type
 
 __all__ = [
     "Allocator",
@@ -20,8 +21,10 @@ __all__ = [
     "PermuteSpec",
     "Runner",
     "allocate",
+    "as_type",
     "kjt_permute_spec",
     "permute_kjt",
     "permute_spec",
+    "redirecting_kjt_type",
     "write_into",
 ]

@@ -148,17 +148,20 @@ _FBGEMM_2D = frozenset(
 class PermuteInto(TorchFunctionMode):
     """Within ``with PermuteInto(run):``, fbgemm's 2D sparse permute calls that carry
     ``permuted_lengths_sum`` are done by ``run`` instead (usually ``write_into(alloc)``).
-    ``calls`` counts the redirected permutes."""
+    ``calls`` counts the redirected permutes, ``seen`` every torch call the mode saw (each one
+    paid a Python round trip: keep the block narrow, see :mod:`recpipe.kjt.redirect`)."""
 
     def __init__(self, run: Runner) -> None:
         super().__init__()
         self.run = run
         self.calls = 0
+        self.seen = 0
 
     def __torch_function__(
         self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
     ) -> object:
         kwargs = kwargs or {}
+        self.seen += 1
         if func in _FBGEMM_2D:
             bound = _bind(*args, **kwargs)
             if bound is not None:

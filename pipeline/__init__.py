@@ -1,5 +1,5 @@
 """recpipe.pipeline: torchrec training pipelines without the record_stream memory tax."""
 
-from recpipe.pipeline.sparse_dist import RecpipePipelinedForward, TrainPipelineSparseDist
+from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist
 
-__all__ = ["RecpipePipelinedForward", "TrainPipelineSparseDist"]
+__all__ = ["TrainPipelineSparseDist"]

@@ -2,19 +2,61 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+import torchrec
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
+from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+_PIPELINE_PARAMS = inspect.signature(TrainPipelineSparseDist.__init__).parameters
+
+
+def pipeline_options(**options: Any) -> dict[str, Any]:
+    """The keyword arguments of torchrec's ``TrainPipelineSparseDist`` that the installed
+    torchrec takes: an option it lacks (``free_features_storage_early``,
+    ``clear_data_dist_inputs``: torchrec >= 1.7) is dropped at its default (False) and refused
+    otherwise."""
+    for name, value in options.items():
+        if name not in _PIPELINE_PARAMS and value:
+            raise TypeError(
+                f"recpipe TrainPipelineSparseDist: {name}={value!r} needs a torchrec that has it "
+                f"(>= 1.7; installed: {torchrec.__version__}): upgrade torchrec or leave it unset"
+            )
+    return {name: value for name, value in options.items() if name in _PIPELINE_PARAMS}
 
 
 def dist_init_on_main_stream() -> bool:
     """torchrec >= 1.8 with ``clear_data_dist_inputs=True`` runs ``dist_init`` on the main
     stream (``PipelinedForward._use_main_stream_for_dist_init``): nothing to move then."""
     return bool(getattr(PipelinedForward, "_use_main_stream_for_dist_init", False))
+
+
+def all_to_all_awaitables(request: Awaitable) -> Iterator[KJTAllToAllTensorsAwaitable]:
+    """The KJT all-to-alls with more than one worker that an input-dist tensors request (a
+    ``KJTListAwaitable`` per sharded module, or one of them) waits on (torchrec 1.6 and 1.8):
+    their ``_wait_impl`` ends in ``type(self._input).dist_init(...)``, the recat (P2)."""
+    stack = [request]
+    while stack:
+        awaitable = stack.pop()
+        if isinstance(awaitable, KJTAllToAllTensorsAwaitable):
+            if awaitable._workers > 1:
+                yield awaitable
+        else:
+            stack.extend(getattr(awaitable, "awaitables", ()))
+
+
+def all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> KeyedJaggedTensor:
+    """The KJT whose class ``dist_init`` is looked up on (torchrec 1.6 and 1.8: ``_input``)."""
+    return awaitable._input
 
 
 def clears_data_dist_inputs(pipeline: object) -> bool:

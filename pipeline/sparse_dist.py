@@ -17,6 +17,13 @@ where the two permutes of the sparse input distribution write (shared/DESIGN.md)
   pipelined forward): into buffers allocated on the main stream
   (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
 
+How the permutes are reached: Python runs at P1 and P2 only. The batch's KJTs take a
+per-pipeline subclass (:func:`recpipe.kjt.redirecting_kjt_type`) during each pipelined module's
+``input_dist`` (P1: its ``permute``), and the all-to-all inputs take it during the input-dist
+wait (P2: its ``dist_init``); torchrec's own methods run inside, with a
+:class:`~recpipe.kjt.PermuteInto` mode whose scope is that one method. Every other torch call of
+the input dist takes torch's C++ path, and nothing outside this pipeline's calls changes.
+
 Neither needs ``record_stream`` (torchrec still calls it on the KJT; for main-stream memory it is
 a no-op, and ring memory is never freed while in use); the split permute's lengths (small, fresh
 data_dist memory) do rely on it. Everything else is torchrec's code path,
@@ -26,64 +33,36 @@ so the losses are bit-identical: recpipe's permute gives fbgemm's results exactl
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out, TrainPipelineContext
 from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSparseDist as _TorchrecTrainPipelineSparseDist,
 )
 from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.kjt import PermuteInto, write_into
+from recpipe.kjt import Runner, as_type, redirecting_kjt_type, write_into
 from recpipe.pipeline.buffers import BufferRing, SideWrite, main_stream_allocator
 from recpipe.pipeline.compat import (
+    all_to_all_awaitables,
+    all_to_all_input,
     clears_data_dist_inputs,
     dist_init_on_main_stream,
+    pipeline_options,
     stale_index_refs,
 )
 
 
-class _PermuteOnMain(Awaitable[Any]):
-    """Waits ``inner`` with its KJT permutes (``dist_init``) writing into main-stream memory."""
-
-    def __init__(self, inner: Awaitable[Any], main: torch.cuda.Stream | None, counts: Counter) -> None:
-        super().__init__()
-        self._inner = inner
-        self._main = main
-        self._counts = counts
-
-    def _wait_impl(self) -> Any:
-        mode = PermuteInto(write_into(main_stream_allocator(self._main)))
-        with mode:
-            result = self._inner.wait()
-        self._counts["dist_init"] += mode.calls
-        return result
-
-
-class RecpipePipelinedForward(PipelinedForward):
-    """torchrec's ``PipelinedForward`` whose input-dist wait permutes into main-stream memory.
-
-    Streams: called on main; torchrec then waits the request on data_dist, makes main wait on
-    data_dist and calls ``record_stream(main)`` on the result (a no-op for main-stream buffers;
-    harmless for the ring's, which are never freed while in use).
-    """
-
-    counts: Counter = Counter()  # replaced per pipeline by TrainPipelineSparseDist
-
-    def __call__(self, *input: Any, **kwargs: Any) -> Awaitable:
-        requests = self._context.input_dist_tensors_requests
-        if self._name in requests and not dist_init_on_main_stream():
-            main = torch.cuda.current_stream(self._stream.device) if self._stream else None
-            requests[self._name] = _PermuteOnMain(requests[self._name], main, self.counts)
-        return super().__call__(*input, **kwargs)
-
-
-class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
+class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     """torchrec's ``TrainPipelineSparseDist``, with the sparse permutes' outputs in memory that
-    the allocator can reuse on time (see the module docstring). Same arguments and behaviour.
+    the allocator can reuse on time (see the module docstring). Same arguments and behaviour;
+    the arguments are torchrec's (``free_features_storage_early`` and ``clear_data_dist_inputs``
+    need torchrec >= 1.7).
     """
 
     #: P1 ring slots, one per batch in flight (host ahead of the GPU: the batch whose step is
@@ -105,8 +84,37 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
     #: P1 into the ring: None (default) = at world size 1 only (see the module docstring).
     ring_feature_permute: bool | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[In | None], tuple[torch.Tensor, Out]] | None = None,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+    ) -> None:
+        super().__init__(
+            model, optimizer, device,
+            **pipeline_options(
+                execute_all_batches=execute_all_batches,
+                apply_jit=apply_jit,
+                context_type=context_type,
+                pipeline_postproc=pipeline_postproc,
+                custom_model_fwd=custom_model_fwd,
+                dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+                enqueue_batch_after_forward=enqueue_batch_after_forward,
+                enable_inplace_copy_batch=enable_inplace_copy_batch,
+                free_features_storage_early=free_features_storage_early,
+                clear_data_dist_inputs=clear_data_dist_inputs,
+            ),
+        )
         cuda = self._device.type == "cuda"
         main = torch.cuda.current_stream(self._device) if cuda else None
         world = _world_size(self._model)
@@ -135,32 +143,52 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
         self._ring = BufferRing(
             main, 2 if split else self.ring_depth, stale_refs=stale_index_refs(self._model)
         )
-        #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2)
+        #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2), and the
+        #: torch calls the interception saw ("seen")
         self.redirected: Counter = Counter()
-        if world > 1:  # P2, the recat after the all-to-all: only with more than one rank
-            # This pipeline's own forward class, so that counts stay per pipeline.
-            self._pipelined_forward_type = type(
-                "RecpipePipelinedForward", (RecpipePipelinedForward,), {"counts": self.redirected}
-            )
+        # P2, the recat after the all-to-all: only with more than one rank
+        self._redirect_dist_init = world > 1
+        self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
+        self._dist_init_runner: Runner = write_into(main_stream_allocator(main))  # P2's
+        self._kjt_type = redirecting_kjt_type(
+            lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.redirected
+        )
 
-    def start_sparse_data_dist(self, batch: Any, context: Any) -> None:
+    def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
-        # from _pipeline_model); on data_dist.
-        with self._ring_permutes(context.index):
+        # from _pipeline_model); torchrec switches to data_dist inside.
+        if not self._use_ring or batch is None:
+            return super().start_sparse_data_dist(batch, context)
+        self._input_dist_runner = self._ring_runner(context.index)
+        with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
 
-    def _ring_permutes(self, batch_index: int) -> PermuteInto | nullcontext:
-        if not self._use_ring:
-            return nullcontext()
+    def _ring_runner(self, batch_index: int) -> Runner:
         if self.split_input_dist_permute:
             done = self._values_done.setdefault(batch_index, [])
-            run = self._ring.split_runner(batch_index, self._side, done)
-        else:
-            run = write_into(self._ring.allocator(batch_index))
-        return _Counted(PermuteInto(run), self.redirected)
+            return self._ring.split_runner(batch_index, self._side, done)
+        return write_into(self._ring.allocator(batch_index))
 
-    def wait_sparse_data_dist(self, context: Any) -> None:
+    @contextmanager
+    def _input_dists_redirected(self) -> Iterator[None]:
+        """Within the block, each pipelined module's ``input_dist`` sees its input KJTs as
+        this pipeline's redirecting class (P1: their ``permute``); an instance attribute that
+        shadows the class's method, removed on exit, as torchrec's own forward swap is."""
+        modules = list(self._pipelined_modules)
+        for module in modules:
+            module.input_dist = _with_kjt_type(module.input_dist, self._kjt_type)
+        try:
+            yield
+        finally:
+            for module in modules:
+                del module.input_dist
+
+    def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         super().wait_sparse_data_dist(context)
+        if self._redirect_dist_init and not dist_init_on_main_stream():
+            requests = context.input_dist_tensors_requests
+            for name, request in requests.items():
+                requests[name] = _DistInitRedirected(request, self._kjt_type)
         if self.split_input_dist_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
@@ -181,6 +209,36 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist):
         return self._ring.replaced
 
 
+def _with_kjt_type(
+    input_dist: Callable[..., Awaitable], kjt_type: type[KeyedJaggedTensor]
+) -> Callable[..., Awaitable]:
+    """``input_dist`` with its plain-KJT arguments of class ``kjt_type`` during the call."""
+
+    def redirected(ctx: Any, *args: Any, **kwargs: Any) -> Awaitable:
+        kjts = [a for a in (*args, *kwargs.values()) if type(a) is KeyedJaggedTensor]
+        with as_type(kjts, kjt_type):
+            return input_dist(ctx, *args, **kwargs)
+
+    return redirected
+
+
+class _DistInitRedirected(Awaitable[Any]):
+    """An input-dist tensors request whose all-to-alls' ``dist_init`` (P2) is ``kjt_type``'s:
+    their input KJTs take that class during the wait only (one may be the batch's own KJT,
+    when ``KeyedJaggedTensor.split`` returns it whole). Streams: torchrec's
+    ``PipelinedForward`` waits it on data_dist, then makes main wait on data_dist."""
+
+    def __init__(self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._kjt_type = kjt_type
+
+    def _wait_impl(self) -> Any:
+        inputs = [all_to_all_input(a) for a in all_to_all_awaitables(self._inner)]
+        with as_type([k for k in inputs if type(k) is KeyedJaggedTensor], self._kjt_type):
+            return self._inner.wait()
+
+
 def _bucketized(model: torch.nn.Module) -> bool:
     """Whether a table of the (DistributedModelParallel) plan is row-wise in some form, so that
     its input dist reads the permuted values on data_dist (bucketize) in ``input_dist``."""
@@ -199,17 +257,3 @@ def _world_size(model: torch.nn.Module) -> int:
         return env.world_size
     return dist.get_world_size() if dist.is_initialized() else 1
 
-
-class _Counted:
-    """Enters a :class:`PermuteInto` and adds its redirected calls to ``counts["input_dist"]``."""
-
-    def __init__(self, mode: PermuteInto, counts: Counter) -> None:
-        self._mode = mode
-        self._counts = counts
-
-    def __enter__(self) -> None:
-        self._mode.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
-        self._counts["input_dist"] += self._mode.calls

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.cuda import _sanitizer
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
+from torchrec.distributed.types import Awaitable
 
 from recpipe.kjt import PermuteInto
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
@@ -68,11 +69,63 @@ class RecpipeRing(RecpipePipeline):
 
 
 class RecpipeModeOnly(RecpipePipeline):
-    """Diagnostic: recpipe's ``PermuteInto`` mode over the input dist, every P1 permute left
-    to fbgemm: the cost of the interception alone (README: the small config's host time)."""
+    """Diagnostic: recpipe's interception with every permute left to fbgemm: what the hooks
+    alone cost (README: host-bound configs)."""
 
-    def _ring_permutes(self, batch_index: int) -> PermuteInto:
-        return PermuteInto(torch.ops.fbgemm.permute_2D_sparse_data.default)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dist_init_runner = _fbgemm_permute
+
+    def _ring_runner(self, batch_index: int):
+        return _fbgemm_permute
+
+
+def _fbgemm_permute(*args):
+    return torch.ops.fbgemm.permute_2D_sparse_data(*args)
+
+
+class RecpipeScopedMode(RecpipePipeline):
+    """Diagnostic: the interception recpipe used until df8ae95, for comparison (README design
+    notes): a ``PermuteInto`` mode over the whole input dist (P1, world size 1) and over each
+    module's whole input-dist wait (P2), seeing every torch call there."""
+
+    def start_sparse_data_dist(self, batch, context) -> None:
+        if not self._use_ring or batch is None:
+            return TorchrecPipeline.start_sparse_data_dist(self, batch, context)
+        with _Counted(PermuteInto(self._ring_runner(context.index)), self.redirected, "input_dist"):
+            TorchrecPipeline.start_sparse_data_dist(self, batch, context)
+
+    def wait_sparse_data_dist(self, context) -> None:
+        redirect, self._redirect_dist_init = self._redirect_dist_init, False
+        super().wait_sparse_data_dist(context)
+        self._redirect_dist_init = redirect
+        if redirect:
+            requests = context.input_dist_tensors_requests
+            for name, request in requests.items():
+                requests[name] = _ScopedWait(request, self._dist_init_runner, self.redirected)
+
+
+class _Counted:
+    def __init__(self, mode: PermuteInto, counts, site: str) -> None:
+        self._mode, self._counts, self._site = mode, counts, site
+
+    def __enter__(self) -> None:
+        self._mode.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._counts[self._site] += self._mode.calls
+        self._counts["seen"] += self._mode.seen
+
+
+class _ScopedWait(Awaitable):
+    def __init__(self, inner, run, counts) -> None:
+        super().__init__()
+        self._inner, self._run, self._counts = inner, run, counts
+
+    def _wait_impl(self):
+        with _Counted(PermuteInto(self._run), self._counts, "dist_init"):
+            return self._inner.wait()
 
 
 def _torchrec_early_free(*args, **kwargs):
@@ -90,6 +143,7 @@ PIPELINES = {
     "recpipe_ring2": RecpipeRing2,
     "recpipe_ring": RecpipeRing,
     "recpipe_mode_only": RecpipeModeOnly,
+    "recpipe_scoped_mode": RecpipeScopedMode,
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
 }
@@ -139,13 +193,16 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
             prof.step()
     if prof is not None:
         prof.stop()
+    # torch calls that took a Python round trip through recpipe's interception, per step
+    seen = getattr(pipeline, "redirected", {}).get("seen", 0) / (warmup + steps)
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
-                    reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0)
+                    reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0, seen=seen)
     torch.cuda.synchronize()
     mid = warmup + steps // 2
     return dict(
         ring=getattr(pipeline, "ring_nbytes", 0) / 2**20,  # recpipe's P1 buffers
+        seen=seen,
         ring_replaced=getattr(pipeline, "ring_replaced", 0),
         ms=[s.elapsed_time(e) for s, e in times],
         losses=[x.item() for x in losses],
@@ -323,7 +380,8 @@ def main() -> None:
             print(f"  run {r + 1}/{a.repeats} {name:9s}: {statistics.median(res['ms']):7.2f} ms/iter"
                   f"  peak alloc {res['alloc']:7.0f} MiB  reserved {res['reserved']:7.0f} MiB"
                   f"  retries {res['retries']}  alloc growth {res['growth']:+.1f} MiB"
-                  f"  ring {res['ring']:.0f} MiB", flush=True)
+                  f"  ring {res['ring']:.0f} MiB  intercepted calls/step {res.get('seen', 0):.0f}",
+                  flush=True)
     text, same = table(a, names, runs)
     print(text, flush=True)
     if a.out:

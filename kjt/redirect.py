@@ -1,0 +1,77 @@
+"""Redirect the permutes of chosen KeyedJaggedTensor objects, and nothing else.
+
+torchrec reaches the two permutes of the sparse input distribution through a KJT object:
+
+- P1: ``features.permute(order, order_tensor)`` on a sharded module's input KJT (``input_dist``);
+- P2: ``type(self._input).dist_init(...)`` in ``KJTAllToAllTensorsAwaitable._wait_impl``: a
+  staticmethod looked up on the class of the KJT that entered the all-to-all.
+
+:func:`redirecting_kjt_type` makes a subclass of ``KeyedJaggedTensor`` whose ``permute`` and
+``dist_init`` run torchrec's own methods with their fbgemm 2D permute done by a :data:`Runner`.
+Assigned to exactly those objects (``kjt.__class__ = cls``, see :func:`as_type`), it runs Python
+at these two methods only: the :class:`~recpipe.kjt.PermuteInto` mode is active for the few
+torch calls inside them, and every other torch call of the input dist takes torch's C++ path.
+Nothing global changes: the class is made per caller (a pipeline), and a KJT that was not
+assigned it behaves as torchrec's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.kjt.permute import PermuteInto, Runner
+
+
+def redirecting_kjt_type(
+    permute_runner: Callable[[], Runner],
+    dist_init_runner: Callable[[], Runner],
+    counts: Counter,
+) -> type[KeyedJaggedTensor]:
+    """A ``KeyedJaggedTensor`` subclass whose permutes go through runners.
+
+    ``permute_runner()`` / ``dist_init_runner()`` are called on each ``permute`` (P1) /
+    ``dist_init`` (P2), on the caller's thread and stream, and return the runner for that call.
+    ``counts["input_dist"]`` / ``counts["dist_init"]`` add the permutes redirected at each site;
+    ``counts["seen"]`` the torch calls the mode saw (the interception's whole Python footprint).
+    Results are plain ``KeyedJaggedTensor`` (torchrec constructs them), exactly torchrec's but
+    for where the permuted tensors live.
+    """
+
+    def redirect(site: str, run: Runner, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        mode = PermuteInto(run)
+        with mode:
+            out = method(*args, **kwargs)
+        counts[site] += mode.calls
+        counts["seen"] += mode.seen
+        return out
+
+    def permute(self: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> KeyedJaggedTensor:
+        return redirect("input_dist", permute_runner(), KeyedJaggedTensor.permute, self, *args, **kwargs)
+
+    def dist_init(*args: Any, **kwargs: Any) -> KeyedJaggedTensor:
+        return redirect("dist_init", dist_init_runner(), KeyedJaggedTensor.dist_init, *args, **kwargs)
+
+    return type(
+        "RedirectingKeyedJaggedTensor",
+        (KeyedJaggedTensor,),
+        {"__slots__": (), "__module__": __name__, "permute": permute,
+         "dist_init": staticmethod(dist_init)},
+    )
+
+
+@contextmanager
+def as_type(kjts: list[KeyedJaggedTensor], cls: type[KeyedJaggedTensor]) -> Iterator[None]:
+    """Within the block, each of ``kjts`` (plain ``KeyedJaggedTensor``) is of class ``cls``;
+    restored on exit, also on error."""
+    for kjt in kjts:
+        kjt.__class__ = cls
+    try:
+        yield
+    finally:
+        for kjt in kjts:
+            kjt.__class__ = KeyedJaggedTensor
