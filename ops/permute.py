@@ -4,12 +4,16 @@ Layout of the library entries (a custom op may not return an alias of an input, 
 contract is split, as shared/DESIGN.md explains):
 
 - ``recpipe::_permuted_lengths_sum(permute, lengths) -> SymInt``: the size of the permuted
-  values. Syncs with the device once and checks the permute range. Fake: an unbacked size.
+  values. Syncs with the device once, checks the permute range and that no length is negative.
+  Fake: an unbacked size.
 - ``recpipe::_permute_2D_sparse_data_into(...) -> ()``: writes the permuted lengths, values and
   weights into the front of the given buffers. Never syncs on CUDA. Fake: nothing.
+- ``recpipe::_permute_2D_sparse_data_functional(permute, lengths, values, weights, n)``: the
+  same into new tensors, with an autograd formula for ``values`` and ``weights`` (a mutating op
+  cannot have one). Used when autograd must record the permute.
 - ``recpipe::permute_2D_sparse_data`` and its legacy name ``recpipe::permute_sparse_data``: the
   public op, ``CompositeImplicitAutograd``. It validates metadata, allocates what the caller did
-  not pass, calls the primitive above and returns the buffers (views of their front when they
+  not pass, calls the primitives above and returns the buffers (views of their front when they
   are larger than needed).
 
 Semantics match ``torch.ops.fbgemm.permute_2D_sparse_data`` for 2D lengths ``[T, B]`` and
@@ -19,6 +23,7 @@ Semantics match ``torch.ops.fbgemm.permute_2D_sparse_data`` for 2D lengths ``[T,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +40,11 @@ _PUBLIC_SCHEMA = (
 )
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _OP = "recpipe.permute_2D_sparse_data"
+_OUT_NAMES = ("permuted_lengths_out", "permuted_indices_out", "permuted_weights_out")
+_STATUS_MESSAGE = (
+    f"{_OP}: permute index out of [0, lengths.size(0)), a negative length, permuted_lengths_sum "
+    "!= sum of the permuted lengths, or lengths sum to more than values.numel()"
+)
 
 PermuteResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -44,12 +54,17 @@ def _as_rows(lengths: torch.Tensor) -> torch.Tensor:
     return lengths if lengths.dim() == 2 else lengths.view(-1, 1)
 
 
-def _out_shape(permute: torch.Tensor, lengths: torch.Tensor) -> list[int]:
-    return [permute.numel(), *lengths.shape[1:]]
+def _out_shape(permute: torch.Tensor, lengths: torch.Tensor) -> tuple[int, ...]:
+    return (permute.numel(), *lengths.shape[1:])
 
 
 def _fail(error: type[Exception], message: str) -> None:
     raise error(f"{_OP}: {message}")
+
+
+def _head(t: torch.Tensor) -> str:
+    """The first values of 1D ``t``, for an error message."""
+    return f"{t[:8].tolist()}{' ...' if t.numel() > 8 else ''}"
 
 
 def _check_inputs(
@@ -79,9 +94,10 @@ def _check_inputs(
             f"weights must have the shape of values {tuple(values.shape)}, "
             f"got {tuple(weights.shape)}",
         )
+    device = lengths.device
     for name, t in (("permute", permute), ("values", values), ("weights", weights)):
-        if t is not None and t.device != lengths.device:
-            _fail(ValueError, f"{name} must be on the device of lengths ({lengths.device}), got {t.device}")
+        if t is not None and t.device != device:
+            _fail(ValueError, f"{name} must be on the device of lengths ({device}), got {t.device}")
     if permuted_lengths_sum is not None:
         torch._check_value(
             permuted_lengths_sum >= 0,
@@ -110,43 +126,82 @@ def _check_out(
         )
 
 
-def _front(buf: torch.Tensor, shape: Sequence[int | torch.SymInt]) -> torch.Tensor:
+def _outputs(
+    lengths_shape: tuple[int, ...],
+    n: int | torch.SymInt,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    given: Sequence[torch.Tensor | None] = (None, None, None),
+) -> list[torch.Tensor | None]:
+    """The ``given`` out-buffers (lengths, values, weights), checked; new exact-size tensors
+    for those not given (``None`` for the weights when there are none)."""
+    outs = []
+    for name, buf, like, shape in zip(
+        _OUT_NAMES, given, (lengths, values, weights), (lengths_shape, (n,), (n,))
+    ):
+        if like is None:
+            outs.append(None)
+        elif buf is None:
+            outs.append(like.new_empty(shape))
+        else:
+            _check_out(name, buf, like, math.prod(shape))
+            outs.append(buf)
+    return outs
+
+
+def _front(buf: torch.Tensor, shape: tuple[int | torch.SymInt, ...]) -> torch.Tensor:
     """A view of the first elements of contiguous ``buf`` with ``shape`` (same data_ptr).
 
     ``buf`` itself when it has ``shape`` and all sizes are plain ints (eager); otherwise always a
     view: comparing symbolic shapes would guard on the unbacked output size under torch.compile.
     """
-    if all(type(s) is int for s in shape) and list(buf.shape) == list(shape):
+    numel = math.prod(shape)
+    if type(numel) is int and buf.shape == shape:
         return buf
-    numel = 1
-    for s in shape:
-        numel = numel * s
     return buf.view(-1).narrow(0, 0, numel).view(shape)
+
+
+def _fronts(
+    outs: Sequence[torch.Tensor | None], lengths_shape: tuple[int, ...], n: int | torch.SymInt
+) -> PermuteResult:
+    """The results in the front of the buffers ``(lengths_out, values_out, weights_out)``."""
+    lengths_out, values_out, weights_out = outs
+    weights = None if weights_out is None else _front(weights_out, (n,))
+    return _front(lengths_out, lengths_shape), _front(values_out, (n,)), weights
 
 
 # --- primitive 1: the output size (syncs) ------------------------------------------------------
 
 
 def _lengths_sum(permute: torch.Tensor, lengths: torch.Tensor) -> int:
-    """Sum of the permuted lengths; raises on an out-of-range permute. One device sync."""
+    """Sum of the permuted lengths; raises on an out-of-range permute or a negative length.
+    One device sync."""
     rows = _as_rows(lengths)
     T = rows.shape[0]
     row_sums = rows.sum(dim=1, dtype=torch.int64)
     in_range = (permute >= 0) & (permute < T)
     safe = torch.where(in_range, permute, 0).to(torch.int64)
     total = torch.where(in_range, row_sums.index_select(0, safe) if T else 0, 0).sum()
-    n_bad, total = torch.stack([(~in_range).sum(), total]).tolist()
+    n_bad, n_negative, total = torch.stack([(~in_range).sum(), (rows < 0).sum(), total]).tolist()
     if n_bad:
         _raise_out_of_range(permute, T)
+    if n_negative:
+        _raise_negative_lengths(rows)
     return total
 
 
 def _raise_out_of_range(permute: torch.Tensor, T: int) -> None:
     bad = permute[(permute < 0) | (permute >= T)]
-    raise IndexError(
-        f"{_OP}: permute index out of range: expected values in [0, {T}) (T = lengths.size(0)), "
-        f"got {bad[:8].tolist()}{' ...' if bad.numel() > 8 else ''}"
+    _fail(
+        IndexError,
+        f"permute index out of range: expected values in [0, {T}) (T = lengths.size(0)), "
+        f"got {_head(bad)}",
     )
+
+
+def _raise_negative_lengths(lengths: torch.Tensor) -> None:
+    _fail(ValueError, f"lengths must be >= 0, got {_head(lengths[lengths < 0])}")
 
 
 _lengths_sum_op = torch.library.custom_op(
@@ -160,38 +215,28 @@ def _(permute: torch.Tensor, lengths: torch.Tensor) -> torch.SymInt:
 
 
 # --- primitive 2: the permute into given buffers ------------------------------------------------
+# Device kernels: ``rows [T, B]`` into the fronts ``rows_out [T', B]``, ``values_out [n]``,
+# ``weights_out [n]``, all contiguous on one device.
 
 
-def _flat_fronts(
+def _permute_cpu(
     permute: torch.Tensor,
-    lengths: torch.Tensor,
-    n: int,
-    lengths_out: torch.Tensor,
-    values_out: torch.Tensor,
-    weights_out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    lo = _front(lengths_out, [permute.numel(), _as_rows(lengths).shape[1]])
-    return lo, _front(values_out, [n]), None if weights_out is None else _front(weights_out, [n])
-
-
-def _into_cpu(
-    permute: torch.Tensor,
-    lengths: torch.Tensor,
+    rows: torch.Tensor,
     values: torch.Tensor,
     weights: torch.Tensor | None,
     n: int,
-    lengths_out: torch.Tensor,
+    rows_out: torch.Tensor,
     values_out: torch.Tensor,
     weights_out: torch.Tensor | None,
 ) -> None:
     """Row-wise: each output row's values are one contiguous slice of the input, so one
     ``torch.cat(out=)`` of the permuted slices writes the whole output (memcpy, multithreaded)."""
-    rows = _as_rows(lengths)
-    lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
     T = rows.shape[0]
     if ((permute < 0) | (permute >= T)).any():
         _raise_out_of_range(permute, T)
-    torch.index_select(rows, 0, permute, out=lo)
+    if (rows < 0).any():
+        _raise_negative_lengths(rows)
+    torch.index_select(rows, 0, permute, out=rows_out)
     row_sums = rows.sum(dim=1, dtype=torch.int64).tolist()
     order = permute.tolist()
     in_total, out_total = sum(row_sums), sum(row_sums[p] for p in order)
@@ -199,13 +244,36 @@ def _into_cpu(
         _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to {out_total}")
     if in_total > values.numel():
         _fail(ValueError, f"lengths sum to {in_total} but values has {values.numel()}")
-    for src, dst in ((values, vo), (weights, wo)):
+    for src, dst in ((values, values_out), (weights, weights_out)):
         if src is not None and order:
             slices = src.narrow(0, 0, in_total).split(row_sums)
             torch.cat([slices[p] for p in order], out=dst)
 
 
-def _into_cuda(
+def _permute_cuda(
+    permute: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    rows_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> None:
+    """Triton; no host sync. Bad input fails a device-side assert, never writes garbage."""
+    if permute.numel() == 0 and n != 0:
+        _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to 0")
+    status = permute_triton.permute_into(
+        permute, rows, values, weights, n, rows_out, values_out, weights_out
+    )
+    if status is not None:
+        torch._assert_async(status, _STATUS_MESSAGE)
+
+
+_KERNELS = {"cpu": _permute_cpu, "cuda": _permute_cuda}
+
+
+def _into(
     permute: torch.Tensor,
     lengths: torch.Tensor,
     values: torch.Tensor,
@@ -215,20 +283,10 @@ def _into_cuda(
     values_out: torch.Tensor,
     weights_out: torch.Tensor | None,
 ) -> None:
-    """Triton; no host sync. Bad input fails a device-side assert, never writes garbage."""
-    lo, vo, wo = _flat_fronts(permute, lengths, n, lengths_out, values_out, weights_out)
-    if permute.numel() == 0 and n != 0:
-        _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to 0")
-    status = permute_triton.permute_into(permute, _as_rows(lengths), values, weights, n, lo, vo, wo)
-    if status is not None:
-        torch._assert_async(
-            status,
-            f"{_OP}: permute index out of [0, lengths.size(0)), permuted_lengths_sum != sum of "
-            "the permuted lengths, or lengths sum to more than values.numel()",
-        )
-
-
-_INTO = {"cpu": _into_cpu, "cuda": _into_cuda}
+    """The device kernel on the fronts of the buffers (the primitive's kernel, every device)."""
+    outs = (lengths_out, values_out, weights_out)
+    lo, vo, wo = _fronts(outs, _out_shape(permute, lengths), n)
+    _KERNELS[lengths.device.type](permute, _as_rows(lengths), values, weights, n, _as_rows(lo), vo, wo)
 
 
 @torch.library.custom_op(
@@ -249,8 +307,8 @@ def _into_op(
     raise NotImplementedError(f"{_OP}: no kernel for device {lengths.device}")
 
 
-for _device, _kernel in _INTO.items():
-    _into_op.register_kernel(_device, _kernel)
+for _device in _KERNELS:
+    _into_op.register_kernel(_device, _into)
 
 
 @_into_op.register_fake
@@ -267,6 +325,76 @@ def _into_fake(
     return None
 
 
+# --- primitive 3: the differentiable permute into new tensors -----------------------------------
+
+
+def _permute_new(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+) -> PermuteResult:
+    outs = _outputs(_out_shape(permute, lengths), n, lengths, values, weights)
+    _into(permute, lengths, values, weights, n, *outs)
+    return tuple(outs)
+
+
+_new_op = torch.library.custom_op(
+    "recpipe::_permute_2D_sparse_data_functional",
+    _permute_new,
+    mutates_args=(),
+    device_types=tuple(_KERNELS),
+    schema="(Tensor permute, Tensor lengths, Tensor values, Tensor? weights, SymInt n) "
+    "-> (Tensor, Tensor, Tensor?)",
+)
+
+
+@_new_op.register_fake
+def _(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: torch.SymInt,
+) -> PermuteResult:
+    return tuple(_outputs(_out_shape(permute, lengths), n, lengths, values, weights))
+
+
+def _source_positions(permute: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """The position in ``values`` of each of the ``n`` permuted values (int64 ``[n]``)."""
+    row_sums = _as_rows(lengths).sum(dim=1, dtype=torch.int64)
+    out_lengths = row_sums.index_select(0, permute)
+    in_starts = (row_sums.cumsum(0) - row_sums).index_select(0, permute)
+    shift = in_starts - (out_lengths.cumsum(0) - out_lengths)
+    positions = torch.repeat_interleave(shift, out_lengths, output_size=n)
+    return positions + torch.arange(n, device=positions.device)
+
+
+def _setup_backward(ctx, inputs: tuple, output: PermuteResult) -> None:
+    permute, lengths, values, _, n = inputs
+    ctx.save_for_backward(permute, lengths)
+    ctx.numel, ctx.n = values.numel(), n
+
+
+def _backward(
+    ctx, lengths_grad: torch.Tensor, values_grad: torch.Tensor, weights_grad: torch.Tensor | None
+) -> tuple:
+    """The inverse scatter: each input value gets the sum of its copies' gradients (0 when its
+    row is dropped). For a permutation of the rows, fbgemm's backward (its inverse permute)."""
+    permute, lengths = ctx.saved_tensors
+    positions = _source_positions(permute, lengths, ctx.n)
+    _, _, need_values, need_weights, _ = ctx.needs_input_grad
+    values_grad, weights_grad = (
+        grad.new_zeros(ctx.numel).index_add_(0, positions, grad) if need else None
+        for grad, need in ((values_grad, need_values), (weights_grad, need_weights))
+    )
+    return None, None, values_grad, weights_grad, None
+
+
+_new_op.register_autograd(_backward, setup_context=_setup_backward)
+
+
 # --- the public op ------------------------------------------------------------------------------
 
 
@@ -277,7 +405,7 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
         and not torch._C._is_torch_function_mode_enabled()
         and _get_current_dispatch_mode() is None
         and all(t is None or type(t) is torch.Tensor for t in tensors)
-        and tensors[1].device.type in _INTO
+        and tensors[1].device.type in _KERNELS
     )
 
 
@@ -296,7 +424,8 @@ def permute_2D_sparse_data(
     Args:
         permute: ``[T']`` int32/int64, output row ``t'`` is input row ``permute[t']`` (in
             ``[0, T)``; rows may repeat or be left out).
-        lengths: ``[T, B]`` (or ``[T]``) int32/int64 segment lengths, row-major over ``values``.
+        lengths: ``[T, B]`` (or ``[T]``) int32/int64 segment lengths (``>= 0``), row-major over
+            ``values``.
         values: ``[N]`` the jagged values (any dtype), ``N >= lengths.sum()``.
         weights: optional ``[N]`` per-value weights (any floating dtype).
         permuted_lengths_sum: the number of permuted values if known on the host. When given
@@ -309,6 +438,15 @@ def permute_2D_sparse_data(
 
     Returns:
         ``(permuted_lengths [T', B] or [T'], permuted_values [n], permuted_weights [n] | None)``.
+
+    Errors: bad metadata raises on the host. Bad data (a permute index out of range, a negative
+    length, a wrong ``permuted_lengths_sum``, lengths summing to more than ``N``) raises on CPU;
+    on CUDA it fails a device-side assert, except that an index out of range or a negative
+    length raise on the host when ``permuted_lengths_sum`` is ``None`` (that call syncs anyway).
+
+    Autograd: ``weights`` and floating ``values`` that require grad get gradients (each input
+    value the sum of its copies' gradients, 0 for a dropped row: fbgemm's for a permutation);
+    the outputs are then new tensors: preallocated buffers raise a ``ValueError``.
 
     Streams: all work is queued on the current stream. The caller owns the buffers and must order
     their allocation and later reads against this stream (see recpipe.kjt / recpipe.pipeline).
@@ -346,40 +484,47 @@ def _permute(
 ) -> PermuteResult:
     """The public op's CompositeImplicitAutograd kernel (see permute_2D_sparse_data).
 
-    ``direct=True`` calls the primitives' device kernels instead of their ops (eager only).
+    ``direct=True`` calls the device kernels instead of the primitives' ops (eager only).
     """
     _check_inputs(permute, lengths, values, weights, permuted_lengths_sum)
     if permuted_weights_out is not None and weights is None:
         _fail(ValueError, "permuted_weights_out given but weights is None")
+    given = (permuted_lengths_out, permuted_indices_out, permuted_weights_out)
     n = permuted_lengths_sum
     if n is None:
         n = (_lengths_sum if direct else torch.ops.recpipe._permuted_lengths_sum)(permute, lengths)
         torch._check(n >= 0)
-    lengths_shape = _out_shape(permute, lengths)
-    numel = permute.numel() * (lengths.shape[1] if lengths.dim() == 2 else 1)
-    outs = []
-    for name, buf, like, size, shape in (
-        ("permuted_lengths_out", permuted_lengths_out, lengths, numel, lengths_shape),
-        ("permuted_indices_out", permuted_indices_out, values, n, [n]),
-        ("permuted_weights_out", permuted_weights_out, weights, n, [n]),
-    ):
-        if like is None:
-            outs.append(None)
-        elif buf is None:
-            outs.append(torch.empty(shape, dtype=like.dtype, device=like.device))
-        else:
-            _check_out(name, buf, like, size)
-            outs.append(buf)
     permute, lengths, values = permute.contiguous(), lengths.contiguous(), values.contiguous()
     weights = None if weights is None else weights.contiguous()
-    into = _INTO[lengths.device.type] if direct else torch.ops.recpipe._permute_2D_sparse_data_into
-    into(permute, lengths, values, weights, n, *outs)
-    lengths_out, values_out, weights_out = outs
-    return (
-        _front(lengths_out, lengths_shape),
-        _front(values_out, [n]),
-        None if weights_out is None else _front(weights_out, [n]),
-    )
+    if torch.is_grad_enabled() and (
+        values.requires_grad or (weights is not None and weights.requires_grad)
+    ):
+        return _differentiable(permute, lengths, values, weights, n, given)
+    lengths_shape = _out_shape(permute, lengths)
+    outs = _outputs(lengths_shape, n, lengths, values, weights, given)
+    if not direct:
+        torch.ops.recpipe._permute_2D_sparse_data_into(permute, lengths, values, weights, n, *outs)
+        return _fronts(outs, lengths_shape, n)
+    result = _fronts(outs, lengths_shape, n)
+    lo, vo, wo = result
+    _KERNELS[lengths.device.type](permute, _as_rows(lengths), values, weights, n, _as_rows(lo), vo, wo)
+    return result
+
+
+def _differentiable(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int | torch.SymInt,
+    given: Sequence[torch.Tensor | None],
+) -> PermuteResult:
+    """The permute recorded by autograd, into new tensors (no preallocated outputs)."""
+    wants_grad = "weights" if weights is not None and weights.requires_grad else "values"
+    for name, buf in zip(_OUT_NAMES, given):
+        if buf is not None:
+            _fail(ValueError, f"{name} must be None when {wants_grad} requires grad")
+    return torch.ops.recpipe._permute_2D_sparse_data_functional(permute, lengths, values, weights, n)
 
 
 for _name in ("permute_2D_sparse_data", "permute_sparse_data"):

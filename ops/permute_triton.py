@@ -17,8 +17,9 @@ time at 170 features x batch 128 but took 0.041 ms of GPU time against 0.016 ms 
 an H100, so it is not used.)
 
 Nothing here reads or writes out of bounds or syncs with the host, even on bad input: rows with
-an out-of-range permute index are written as empty, copies are clipped to the buffers, and the
-status flag is returned for the caller to assert on asynchronously (``torch._assert_async``).
+an out-of-range permute index or a negative length are copied as empty, copies are clipped to the
+buffers, and the status flag is returned for the caller to assert on asynchronously
+(``torch._assert_async``).
 With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (CI tests them that way).
 """
 
@@ -61,6 +62,7 @@ def _lengths_kernel(
     base = rows.to(tl.int64) * B
     src_base = src * B
     in_sum = tl.zeros([BLOCK_R], dtype=tl.int64)
+    negative = tl.zeros([BLOCK_R], dtype=tl.int32)
     for b0 in range(0, B, BLOCK_B):
         cols = b0 + tl.arange(0, BLOCK_B)
         col_mask = cols < B
@@ -70,6 +72,7 @@ def _lengths_kernel(
             other=0,
         )
         in_sum += tl.sum(x.to(tl.int64), axis=1)
+        negative += tl.sum((x < 0).to(tl.int32), axis=1)
         y = tl.load(
             lengths_ptr + src_base[:, None] + cols[None, :],
             mask=valid[:, None] & col_mask[None, :],
@@ -80,13 +83,16 @@ def _lengths_kernel(
             y,
             mask=out_mask[:, None] & col_mask[None, :],
         )
-    tl.store(row_sums_ptr + rows, in_sum, mask=in_mask)
+    # A row with a negative length gets the row sum -1: readers count it as bad and copy the row
+    # as empty.
+    tl.store(row_sums_ptr + rows, tl.where(negative > 0, -1, in_sum), mask=in_mask)
 
 
 @triton.jit
 def _sum_rows_before(row_sums_ptr, permute_ptr, end, T, GATHER: tl.constexpr, BLOCK: tl.constexpr):
     """sum(row_sums[r] for r < end), or over rows ``permute[t]`` for ``t < end`` when GATHER;
-    and the number of out-of-range permute indices among them (GATHER only)."""
+    and the number of bad rows among them: a negative length, or (GATHER) an out-of-range
+    permute index. Bad rows count as empty."""
     total = tl.zeros([BLOCK], dtype=tl.int64)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     for r0 in range(0, end, BLOCK):
@@ -98,7 +104,9 @@ def _sum_rows_before(row_sums_ptr, permute_ptr, end, T, GATHER: tl.constexpr, BL
             bad += (mask & ~ok).to(tl.int32)
             mask = mask & ok
             r = q
-        total += tl.load(row_sums_ptr + r, mask=mask, other=0)
+        x = tl.load(row_sums_ptr + r, mask=mask, other=0)
+        bad += (x < 0).to(tl.int32)
+        total += tl.maximum(x, 0)
     return tl.sum(total, axis=0), tl.sum(bad, axis=0)
 
 
@@ -118,16 +126,18 @@ def _offsets_kernel(
 ):
     """One program: the starts of every output row, and the status (the many-rows path)."""
     carry = tl.zeros([1], dtype=tl.int64)
+    bad = tl.zeros([1], dtype=tl.int32)
     for r0 in range(0, T, BLOCK):
         rows = r0 + tl.arange(0, BLOCK)
         mask = rows < T
         x = tl.load(row_sums_ptr + rows, mask=mask, other=0)
+        bad += tl.sum((x < 0).to(tl.int32), axis=0)
+        x = tl.maximum(x, 0)
         tl.store(in_excl_ptr + rows, tl.cumsum(x, axis=0) - x + carry, mask=mask)
         carry += tl.sum(x, axis=0)
     in_total = carry
     tl.debug_barrier()  # the gathers below read starts that other threads stored
     carry = tl.zeros([1], dtype=tl.int64)
-    bad = tl.zeros([1], dtype=tl.int32)
     for r0 in range(0, T_out, BLOCK):
         rows = r0 + tl.arange(0, BLOCK)
         mask = rows < T_out
@@ -135,7 +145,7 @@ def _offsets_kernel(
         valid = mask & (src >= 0) & (src < T)
         bad += tl.sum((mask & ~valid).to(tl.int32), axis=0)
         tl.store(src_start_ptr + rows, tl.load(in_excl_ptr + src, mask=valid, other=0), mask=mask)
-        x = tl.load(row_sums_ptr + src, mask=valid, other=0)
+        x = tl.maximum(tl.load(row_sums_ptr + src, mask=valid, other=0), 0)
         tl.store(out_start_ptr + rows, tl.cumsum(x, axis=0) - x + carry, mask=mask)
         carry += tl.sum(x, axis=0)
     ok = (bad == 0) & (carry == n) & (in_total <= values_numel)
@@ -169,19 +179,19 @@ def _copy_kernel(
     src_row = tl.load(permute_ptr + row).to(tl.int64)
     valid = (src_row >= 0) & (src_row < T)
     safe_row = tl.where(valid, src_row, 0)
-    length = tl.load(row_sums_ptr + safe_row, mask=valid, other=0)
+    length = tl.maximum(tl.load(row_sums_ptr + safe_row, mask=valid, other=0), 0)
     if FUSED:
         src, _ = _sum_rows_before(row_sums_ptr, permute_ptr, safe_row, T, False, SCAN_BLOCK)
         dst, bad = _sum_rows_before(row_sums_ptr, permute_ptr, row, T, True, SCAN_BLOCK)
         if (row == T_out - 1) & (tl.program_id(1) == 0):
-            in_total, _ = _sum_rows_before(row_sums_ptr, permute_ptr, T, T, False, SCAN_BLOCK)
-            ok = valid & (bad == 0) & (dst + length == n) & (in_total <= values_numel)
+            in_total, bad_in = _sum_rows_before(row_sums_ptr, permute_ptr, T, T, False, SCAN_BLOCK)
+            ok = valid & (bad == 0) & (bad_in == 0) & (dst + length == n) & (in_total <= values_numel)
             tl.store(status_ptr, ok.to(tl.int64))
     else:
         src = tl.load(src_start_ptr + row)
         dst = tl.load(out_start_ptr + row)
     # Clip to the buffers so that inconsistent input (flagged in the status) never touches
-    # memory out of bounds.
+    # memory out of bounds (src and dst are sums of non-negative row sums).
     length = tl.minimum(length, tl.maximum(tl.minimum(n - dst, values_numel - src), 0))
     for k in range(tl.program_id(1) * BLOCK, length, tl.num_programs(1) * BLOCK):
         idx = k + tl.arange(0, BLOCK)
@@ -207,9 +217,10 @@ def permute_into(
     Contract (checked by the caller, ``recpipe.ops.permute``): all tensors on one device and
     contiguous; ``lengths_out`` holds ``T' * B`` elements, ``values_out`` and ``weights_out``
     at least ``n``. Launches on the current stream; never syncs. Returns a one-element int64
-    status tensor: 1 if every permute index is in ``[0, T)``, the permuted lengths sum to ``n``
-    and the input lengths sum to at most ``values.numel()``; 0 otherwise. Returns ``None`` when
-    ``T' == 0`` (nothing to check: ``n`` must then be 0, which the caller knows on the host).
+    status tensor: 1 if every permute index is in ``[0, T)``, no length is negative, the permuted
+    lengths sum to ``n`` and the input lengths sum to at most ``values.numel()``; 0 otherwise.
+    Returns ``None`` when ``T' == 0``: nothing is read or written, so nothing is checked (``n``
+    must then be 0, which the caller knows on the host).
     """
     T, B = lengths.shape
     T_out = permute.numel()

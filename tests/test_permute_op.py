@@ -1,4 +1,4 @@
-"""recpipe::permute_2D_sparse_data: parity with fbgemm, zero-copy, errors, opcheck, compile."""
+"""recpipe::permute_2D_sparse_data: parity with fbgemm, zero-copy, errors, autograd, opcheck, compile."""
 
 from __future__ import annotations
 
@@ -174,10 +174,94 @@ def test_weights_out_without_weights_raises() -> None:
         permute_2D_sparse_data(case.permute, case.lengths, case.values, None, n, None, None, wo)
 
 
+@pytest.mark.parametrize("negative", ["length", "row sum"])
+@pytest.mark.parametrize("give_sum", [True, False])
+@pytest.mark.parametrize("with_out", [True, False])
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_negative_lengths_raise(device, negative: str, give_sum: bool, with_out: bool, call) -> None:
+    if give_sum and device.type == "cuda":
+        pytest.skip("a device-side assert (tests/test_permute_triton.py checks its status flag)")
+    case, n = _valid(device)
+    outs = buffers(case, n) if with_out else ()
+    if negative == "length":  # the row sum stays the same
+        case.lengths[1, 0] += case.lengths[1, 1] + 1
+        case.lengths[1, 1] = -1
+    else:
+        case.lengths[1] = torch.tensor([0, -2, 0])
+    got = rf"^recpipe.permute_2D_sparse_data: lengths must be >= 0, got \[{-1 if negative == 'length' else -2}\]$"
+    with pytest.raises(ValueError, match=got):
+        call(*case.args(), n if give_sum else None, *outs)
+
+
 def test_lengths_longer_than_values_raises() -> None:
     case, _ = _valid("cpu")
     with pytest.raises(ValueError, match="values has"):
         permute_2D_sparse_data(case.permute, case.lengths, case.values[:-1], None)
+
+
+# --- autograd -----------------------------------------------------------------------------------
+
+
+def _grads(call, case: Case, n: int | None, out_grads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of float ``values`` and ``weights`` for upstream gradients ``out_grads``."""
+    values = case.values.detach().clone().requires_grad_()
+    weights = case.weights.detach().clone().requires_grad_()
+    _, permuted_values, permuted_weights = call(case.permute, case.lengths, values, weights, n)
+    dev = case.lengths.device
+    torch.autograd.backward([permuted_values, permuted_weights], [g.to(dev) for g in out_grads])
+    return values.grad.cpu(), weights.grad.cpu()
+
+
+@pytest.mark.parametrize("give_sum", [True, False])
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_grads_match_fbgemm(device, give_sum: bool, call) -> None:
+    """A permutation of the rows (fbgemm's backward inverts the permute): the same gradients."""
+    case = make_case(7, 4, 7, values_dtype=torch.float32, seed=20)
+    case.permute = torch.randperm(7, generator=torch.Generator().manual_seed(20)).to(torch.int32)
+    n = int(case.lengths.sum())
+    g = torch.Generator().manual_seed(21)
+    out_grads = [torch.randn(n, generator=g), torch.randn(n, generator=g)]
+    ref = _grads(torch.ops.fbgemm.permute_2D_sparse_data, case, n, out_grads)
+    got = _grads(call, case.to(device), n if give_sum else None, out_grads)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("B", [None, 3])
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_grads_of_repeated_and_dropped_rows(device, B: int | None, call) -> None:
+    """Each input value gets the sum of its copies' gradients; dropped rows and values past the
+    lengths get 0 (reference: autograd of indexing the values with their source positions)."""
+    case = make_case(6, B, 7, values_dtype=torch.float32, extra_values=3, seed=22)
+    case.permute = torch.tensor([3, 0, 3, 5, 0, 3, 1], dtype=torch.int32)  # 2 and 4 dropped
+    row_sums = case.lengths.view(6, -1).sum(1).tolist()
+    starts = [sum(row_sums[:r]) for r in range(6)]
+    positions = [starts[r] + k for r in case.permute.tolist() for k in range(row_sums[r])]
+    g = torch.Generator().manual_seed(23)
+    out_grads = [torch.randn(len(positions), generator=g) for _ in range(2)]
+    ref = _grads(lambda p, l, v, w, n: (l, v[positions], w[positions]), case, None, out_grads)
+    got = _grads(call, case.to(device), None, out_grads)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("grad_of", ["values", "weights"])
+@pytest.mark.parametrize("which", range(3))
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_out_buffer_with_grad_raises(grad_of: str, which: int, call) -> None:
+    case = make_case(4, 3, 5, values_dtype=torch.float32, seed=24)
+    n = int(fbgemm_reference(case)[0].sum())
+    outs: list = [None, None, None]
+    outs[which] = buffers(case, n)[which]
+    name = ("permuted_lengths_out", "permuted_indices_out", "permuted_weights_out")[which]
+    args = dict(values=case.values, weights=case.weights)
+    args[grad_of] = args[grad_of].detach().requires_grad_()
+    with pytest.raises(ValueError, match=f"^recpipe.permute_2D_sparse_data: {name} must be None "
+                       f"when {grad_of} requires grad$"):
+        call(case.permute, case.lengths, args["values"], args["weights"], n, *outs)
+    with torch.no_grad():  # nothing to record: the buffer is written
+        got = call(case.permute, case.lengths, args["values"], args["weights"], n, *outs)
+    assert got[which].data_ptr() == outs[which].data_ptr()
 
 
 # --- opcheck and torch.compile ------------------------------------------------------------------
@@ -208,6 +292,16 @@ def test_opcheck_primitives(device) -> None:
         torch.ops.recpipe._permute_2D_sparse_data_into.default,
         case.args() + (n, *buffers(case, n)),
     )
+    floats = make_case(6, 3, 8, values_dtype=torch.float32, seed=6).to(device)
+    n = int(fbgemm_reference(floats)[0].sum())
+    # Not test_aot_dispatch_dynamic: it sums all outputs in place into the first, the int64
+    # lengths, which fails on a float output (test_torch_compile_grads traces the backward).
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for weights in (floats.weights.requires_grad_(), None):
+        args = (floats.permute, floats.lengths, floats.values.requires_grad_(), weights, n)
+        torch.library.opcheck(
+            torch.ops.recpipe._permute_2D_sparse_data_functional.default, args, test_utils=checks
+        )
 
 
 @pytest.mark.parametrize("give_sum", [True, False])
@@ -231,3 +325,24 @@ def test_torch_compile_fullgraph(device, give_sum: bool, with_out: bool) -> None
     if with_out:
         for out, buf in zip(got, outs):
             assert out.data_ptr() == buf.data_ptr()
+
+
+def test_torch_compile_grads(device) -> None:
+    torch._dynamo.reset()
+    case = make_case(7, 5, 9, values_dtype=torch.float32, seed=7).to(device)
+    n = int(fbgemm_reference(case)[0].sum())
+
+    def loss(permute, lengths, values, weights):
+        _, permuted_values, permuted_weights = permute_2D_sparse_data(
+            permute, lengths, values, weights, n
+        )
+        return (permuted_values * permuted_values).sum() + (permuted_weights * 3).sum()
+
+    grads = []
+    for f in (loss, torch.compile(loss, fullgraph=True, dynamic=False)):
+        values = case.values.detach().clone().requires_grad_()
+        weights = case.weights.detach().clone().requires_grad_()
+        f(case.permute, case.lengths, values, weights).backward()
+        grads.append((values.grad, weights.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -31,13 +31,24 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
+GUARD = 16  # poisoned elements on both sides of each output
+
+
+def _guarded(size: int, like: torch.Tensor | None) -> torch.Tensor | None:
+    if like is None:
+        return None
+    return torch.full((size + 2 * GUARD,), -3, dtype=like.dtype, device=like.device)
+
+
 def _run(case, n: int):
-    B = case.lengths.shape[1]
-    dev = case.lengths.device
-    lo = torch.full((case.permute.numel(), B), -3, dtype=case.lengths.dtype, device=dev)
-    vo = torch.full((n,), -3, dtype=case.values.dtype, device=dev)
-    wo = None if case.weights is None else torch.full((n,), -3, dtype=case.weights.dtype, device=dev)
+    """The kernels' outputs and status; asserts that nothing was written next to the outputs."""
+    T_out, B = case.permute.numel(), case.lengths.shape[1]
+    bufs = [_guarded(T_out * B, case.lengths), _guarded(n, case.values), _guarded(n, case.weights)]
+    lo, vo, wo = (None if b is None else b[GUARD:-GUARD] for b in bufs)
+    lo = lo.view(T_out, B)
     status = permute_triton.permute_into(case.permute, case.lengths, case.values, case.weights, n, lo, vo, wo)
+    for b in bufs:
+        assert b is None or ((b[:GUARD] == -3).all() and (b[-GUARD:] == -3).all())
     return (lo, vo, wo), 1 if status is None else int(status.item())  # None: nothing to do
 
 
@@ -65,16 +76,23 @@ def test_long_rows_use_several_programs(mode: str) -> None:
     assert status == 1 and torch.equal(got[1].cpu(), ref[1])
 
 
-@pytest.mark.parametrize("what", ["permute", "sum", "values"])
+@pytest.mark.parametrize("what", ["permute", "sum", "values", "negative length", "negative row"])
 def test_bad_input_flags_status_and_stays_in_bounds(what: str, mode: str) -> None:
-    case = make_case(6, 3, 5, weights_dtype=None, max_len=4, seed=12).to(DEVICE)
+    case = make_case(6, 3, 5, max_len=4, seed=12).to(DEVICE)
     n = int(fbgemm_reference(case)[0].sum())
+    row = int(case.permute[1])
     if what == "permute":
         case.permute[1] = 6
     elif what == "sum":
         n -= 1
-    else:
+    elif what == "values":
         case.values = case.values[:-1]
+    elif what == "negative length":  # the row sum, and so every start and total, stays the same
+        case.lengths[row, 0] += case.lengths[row, 1] + 1
+        case.lengths[row, 1] = -1
+    else:  # a negative row sum, counted as empty: the next rows still start at >= 0
+        case.lengths[int(case.permute[0])] = 0
+        case.lengths[row] = torch.tensor([0, -20, 0])
     (lo, vo, _), status = _run(case, max(n, 0))
     assert status == 0
     if what == "permute":  # the bad row is written as empty
