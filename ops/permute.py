@@ -260,7 +260,15 @@ def _permute_cuda(
     values_out: torch.Tensor,
     weights_out: torch.Tensor | None,
 ) -> None:
-    """Triton; no host sync. Bad input fails a device-side assert, never writes garbage."""
+    """Triton; no host sync. Bad input fails a device-side assert, never writes garbage.
+
+    Host cost: one allocation and two Triton launches (``permute_triton.permute_into``, through
+    cached launchers), then ``torch._assert_async`` on the status: one more small ATen launch,
+    a few microseconds of host time. It cannot be folded into the copy kernel at no cost:
+    ``tl.device_assert`` is compiled only into kernels built with ``debug=True`` (which also
+    adds overflow checks to their int32 arithmetic), and an inline-asm trap would fail without
+    naming the op (recent torch prints ``_STATUS_MESSAGE`` with the device assert).
+    """
     if permute.numel() == 0 and n != 0:
         _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to 0")
     status = permute_triton.permute_into(
@@ -273,6 +281,20 @@ def _permute_cuda(
 _KERNELS = {"cpu": _permute_cpu, "cuda": _permute_cuda}
 
 
+def _write(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    fronts: PermuteResult,
+) -> None:
+    """The device kernel, writing the results into ``fronts`` (see ``_fronts``)."""
+    lo, vo, wo = fronts
+    kernel = _KERNELS[lengths.device.type]
+    kernel(permute, _as_rows(lengths), values, weights, n, _as_rows(lo), vo, wo)
+
+
 def _into(
     permute: torch.Tensor,
     lengths: torch.Tensor,
@@ -283,10 +305,9 @@ def _into(
     values_out: torch.Tensor,
     weights_out: torch.Tensor | None,
 ) -> None:
-    """The device kernel on the fronts of the buffers (the primitive's kernel, every device)."""
+    """The primitive's kernel on every device: the device kernel on the buffers' fronts."""
     outs = (lengths_out, values_out, weights_out)
-    lo, vo, wo = _fronts(outs, _out_shape(permute, lengths), n)
-    _KERNELS[lengths.device.type](permute, _as_rows(lengths), values, weights, n, _as_rows(lo), vo, wo)
+    _write(permute, lengths, values, weights, n, _fronts(outs, _out_shape(permute, lengths), n))
 
 
 @torch.library.custom_op(
@@ -506,8 +527,7 @@ def _permute(
         torch.ops.recpipe._permute_2D_sparse_data_into(permute, lengths, values, weights, n, *outs)
         return _fronts(outs, lengths_shape, n)
     result = _fronts(outs, lengths_shape, n)
-    lo, vo, wo = result
-    _KERNELS[lengths.device.type](permute, _as_rows(lengths), values, weights, n, _as_rows(lo), vo, wo)
+    _write(permute, lengths, values, weights, n, result)
     return result
 
 
@@ -524,7 +544,8 @@ def _differentiable(
     for name, buf in zip(_OUT_NAMES, given):
         if buf is not None:
             _fail(ValueError, f"{name} must be None when {wants_grad} requires grad")
-    return torch.ops.recpipe._permute_2D_sparse_data_functional(permute, lengths, values, weights, n)
+    functional = torch.ops.recpipe._permute_2D_sparse_data_functional
+    return functional(permute, lengths, values, weights, n)
 
 
 for _name in ("permute_2D_sparse_data", "permute_sparse_data"):

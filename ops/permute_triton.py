@@ -19,15 +19,20 @@ an H100, so it is not used.)
 Nothing here reads or writes out of bounds or syncs with the host, even on bad input: rows with
 an out-of-range permute index or a negative length are copied as empty, copies are clipped to the
 buffers, and the status flag is returned for the caller to assert on asynchronously
-(``torch._assert_async``).
-With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (CI tests them that way).
+(``torch._assert_async``). The kernels share one int64 work buffer (one allocation, see
+``_work``). After a kernel's first launch, later launches skip Triton's JIT dispatch
+(``_launch``). With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (CI tests them
+that way).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 # Copy launch parameters (BLOCK, num_warps), tuned on an H100 with scripts/tune_permute.py:
 # 1024 features x batch 4096 x pooling 40 (rows of ~160k values): (1024, 16) reached 80% of a
@@ -40,6 +45,17 @@ TARGET_PROGRAMS = 2048  # CTAs to aim for: enough to fill 132 SMs several times 
 SCAN_BLOCK = 1024
 FUSED_MAX_ROWS = 8192  # max(T, T'): row sums re-read by every copy program
 
+
+@triton.jit
+def _work(work_ptr, T, T_out):
+    """Pointers into the int64 work buffer ``[status | row_sums T | in_excl T | src_start T' |
+    out_start T']`` (the last three only without FUSED). A row sum is -1 where the row holds a
+    negative length: readers count it as bad and copy the row as empty."""
+    row_sums_ptr = work_ptr + 1
+    src_start_ptr = row_sums_ptr + 2 * T
+    return work_ptr, row_sums_ptr, row_sums_ptr + T, src_start_ptr, src_start_ptr + T_out
+
+
 # Sizes change every batch: kernels don't specialize on them (== 1, % 16), or a training run
 # would recompile them mid-way.
 @triton.jit(do_not_specialize=["T", "T_out", "B"])
@@ -47,13 +63,14 @@ def _lengths_kernel(
     permute_ptr,
     lengths_ptr,
     lengths_out_ptr,
-    row_sums_ptr,
+    work_ptr,
     T,
     T_out,
     B,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
+    _, row_sums_ptr, _, _, _ = _work(work_ptr, T, T_out)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_mask = rows < T
     out_mask = rows < T_out
@@ -83,8 +100,6 @@ def _lengths_kernel(
             y,
             mask=out_mask[:, None] & col_mask[None, :],
         )
-    # A row with a negative length gets the row sum -1: readers count it as bad and copy the row
-    # as empty.
     tl.store(row_sums_ptr + rows, tl.where(negative > 0, -1, in_sum), mask=in_mask)
 
 
@@ -113,11 +128,7 @@ def _sum_rows_before(row_sums_ptr, permute_ptr, end, T, GATHER: tl.constexpr, BL
 @triton.jit(do_not_specialize=["T", "T_out", "n", "values_numel"])
 def _offsets_kernel(
     permute_ptr,
-    row_sums_ptr,
-    in_excl_ptr,
-    src_start_ptr,
-    out_start_ptr,
-    status_ptr,
+    work_ptr,
     T,
     T_out,
     n,
@@ -125,6 +136,7 @@ def _offsets_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program: the starts of every output row, and the status (the many-rows path)."""
+    status_ptr, row_sums_ptr, in_excl_ptr, src_start_ptr, out_start_ptr = _work(work_ptr, T, T_out)
     carry = tl.zeros([1], dtype=tl.int64)
     bad = tl.zeros([1], dtype=tl.int32)
     for r0 in range(0, T, BLOCK):
@@ -155,10 +167,7 @@ def _offsets_kernel(
 @triton.jit(do_not_specialize=["T", "T_out", "n", "values_numel"])
 def _copy_kernel(
     permute_ptr,
-    row_sums_ptr,
-    src_start_ptr,
-    out_start_ptr,
-    status_ptr,
+    work_ptr,
     values_ptr,
     weights_ptr,
     values_out_ptr,
@@ -175,6 +184,7 @@ def _copy_kernel(
     """Copy output row ``program_id(0)``'s values (and weights), ``num_programs(1)`` programs a
     row. FUSED: find the row starts by summing the row sums before the row (and the last row's
     program writes the status); else load them from ``_offsets_kernel``'s output."""
+    status_ptr, row_sums_ptr, _, src_start_ptr, out_start_ptr = _work(work_ptr, T, T_out)
     row = tl.program_id(0)
     src_row = tl.load(permute_ptr + row).to(tl.int64)
     valid = (src_row >= 0) & (src_row < T)
@@ -185,7 +195,8 @@ def _copy_kernel(
         dst, bad = _sum_rows_before(row_sums_ptr, permute_ptr, row, T, True, SCAN_BLOCK)
         if (row == T_out - 1) & (tl.program_id(1) == 0):
             in_total, bad_in = _sum_rows_before(row_sums_ptr, permute_ptr, T, T, False, SCAN_BLOCK)
-            ok = valid & (bad == 0) & (bad_in == 0) & (dst + length == n) & (in_total <= values_numel)
+            ok = valid & (bad == 0) & (bad_in == 0)
+            ok = ok & (dst + length == n) & (in_total <= values_numel)
             tl.store(status_ptr, ok.to(tl.int64))
     else:
         src = tl.load(src_start_ptr + row)
@@ -202,6 +213,55 @@ def _copy_kernel(
             tl.store(weights_out_ptr + dst + idx, w, mask=mask)
 
 
+# --- launching ----------------------------------------------------------------------------------
+
+# Kernels launched before, by everything Triton specializes them on (see _launch).
+_COMPILED: dict[tuple, CompiledKernel] = {}
+
+
+def _launch(
+    kernel: triton.runtime.JITFunction,
+    grid: tuple[int, int, int],
+    device: tuple[int, int] | None,
+    pointers: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    constexprs: Sequence[object],
+    num_warps: int,
+) -> None:
+    """``kernel[grid](*pointers, *sizes, *constexprs, num_warps=num_warps)``, the parameters in
+    this order, without Triton's JIT dispatch after the first launch.
+
+    ``JITFunction.run`` binds the arguments, computes their specialization and looks up its
+    caches on every call (10-30 us of host time). Here the ``CompiledKernel`` that a JIT launch
+    returns is kept under a key holding everything Triton specializes on: the device, each
+    pointer's dtype and 16-byte alignment (inputs may be views at any offset), each size's
+    integer type and its ``== 1`` and ``% 16`` (ignored by Triton for ``do_not_specialize``
+    sizes: they only split the cache), the constexprs and ``num_warps``. Later launches go
+    through ``CompiledKernel[grid](*args, stream=...)``, whose launcher takes every parameter
+    in order (triton >= 3.2). ``device`` is ``(current device, its current raw stream)``, or
+    ``None`` for CPU tensors (``TRITON_INTERPRET=1``: always the JIT launch).
+    """
+    args = (*pointers, *sizes, *constexprs)
+    if device is None:
+        kernel[grid](*args, num_warps=num_warps)
+        return
+    key = (
+        kernel,
+        device[0],
+        num_warps,
+        *constexprs,
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in pointers],
+        *[(s == 1, s % 16 == 0, -(2**31) <= s < 2**31) for s in sizes],
+    )
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        compiled[grid](*args, stream=device[1])
+        return
+    compiled = kernel[grid](*args, num_warps=num_warps)
+    if isinstance(compiled, CompiledKernel) and len(compiled.src.signature) == len(args):
+        _COMPILED[key] = compiled
+
+
 def permute_into(
     permute: torch.Tensor,
     lengths: torch.Tensor,
@@ -216,41 +276,49 @@ def permute_into(
 
     Contract (checked by the caller, ``recpipe.ops.permute``): all tensors on one device and
     contiguous; ``lengths_out`` holds ``T' * B`` elements, ``values_out`` and ``weights_out``
-    at least ``n``. Launches on the current stream; never syncs. Returns a one-element int64
-    status tensor: 1 if every permute index is in ``[0, T)``, no length is negative, the permuted
+    at least ``n``. Launches on the current stream; never syncs. Returns a 0-dim int64 status
+    tensor: 1 if every permute index is in ``[0, T)``, no length is negative, the permuted
     lengths sum to ``n`` and the input lengths sum to at most ``values.numel()``; 0 otherwise.
     Returns ``None`` when ``T' == 0``: nothing is read or written, so nothing is checked (``n``
     must then be 0, which the caller knows on the host).
+
+    Host cost: one allocation (the work buffer) and two launches (three with many rows).
     """
     T, B = lengths.shape
     T_out = permute.numel()
     if T_out == 0:
         return None
     fused = max(T, T_out) <= FUSED_MAX_ROWS
-    work = torch.empty(1 + T + (0 if fused else T + 2 * T_out), dtype=torch.int64, device=lengths.device)
-    status, row_sums, rest = work[:1], work[1 : T + 1], work[T + 1 :]
-    in_excl, src_start, out_start = (rest,) * 3 if fused else rest.split([T, T_out, T_out])
+    work_numel = 1 + T if fused else 1 + 2 * (T + T_out)
+    work = torch.empty(work_numel, dtype=torch.int64, device=lengths.device)
+    device = None
+    if lengths.is_cuda:
+        index = torch.cuda.current_device()  # Triton launches on the current device and stream
+        device = (index, torch._C._cuda_getCurrentRawStream(index))
     block_b = min(triton.next_power_of_2(max(B, 1)), 256)
     block_r = max(1, 1024 // block_b)
-    _lengths_kernel[(triton.cdiv(max(T, T_out), block_r),)](
-        permute, lengths, lengths_out, row_sums, T, T_out, B, BLOCK_R=block_r, BLOCK_B=block_b
+    _launch(
+        _lengths_kernel, (triton.cdiv(max(T, T_out), block_r), 1, 1), device,
+        (permute, lengths, lengths_out, work), (T, T_out, B), (block_r, block_b), 4,
     )
+    numel = values.numel()
     if not fused:
-        _offsets_kernel[(1,)](
-            permute, row_sums, in_excl, src_start, out_start, status,
-            T, T_out, n, values.numel(), BLOCK=SCAN_BLOCK,
+        _launch(
+            _offsets_kernel, (1, 1, 1), device,
+            (permute, work), (T, T_out, n, numel), (SCAN_BLOCK,), 4,
         )
     row_len = triton.cdiv(max(n, 1), T_out)
     block, warps = COPY_LONG_ROWS if row_len >= LONG_ROW else COPY_SHORT_ROWS
-    programs_per_row = max(1, min(triton.cdiv(row_len, block), triton.cdiv(TARGET_PROGRAMS, T_out), 65535))
-    _copy_kernel[(T_out, programs_per_row)](
-        permute, row_sums, src_start, out_start, status,
-        values,
-        values if weights is None else weights,
-        values_out,
-        values_out if weights_out is None else weights_out,
-        T, T_out, n, values.numel(),
-        FUSED=fused, HAS_WEIGHTS=weights is not None, BLOCK=block, SCAN_BLOCK=SCAN_BLOCK,
-        num_warps=warps,
+    programs_per_row = max(
+        1, min(triton.cdiv(row_len, block), triton.cdiv(TARGET_PROGRAMS, T_out), 65535)
     )
-    return status
+    has_weights = weights is not None
+    _launch(
+        _copy_kernel, (T_out, programs_per_row, 1), device,
+        (
+            permute, work, values, weights if has_weights else values,
+            values_out, weights_out if has_weights else values_out,
+        ),
+        (T, T_out, n, numel), (fused, has_weights, block, SCAN_BLOCK), warps,
+    )
+    return work[0]

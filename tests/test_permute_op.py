@@ -1,4 +1,4 @@
-"""recpipe::permute_2D_sparse_data: parity with fbgemm, zero-copy, errors, autograd, opcheck, compile."""
+"""recpipe::permute_2D_sparse_data: fbgemm parity, zero-copy, errors, autograd, opcheck, compile."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import recpipe.ops  # noqa: F401  (registers torch.ops.recpipe)
 from recpipe.ops import permute_2D_sparse_data
 
 OPS = [torch.ops.recpipe.permute_2D_sparse_data, torch.ops.recpipe.permute_sparse_data]
+PREFIX = r"^recpipe\.permute_2D_sparse_data: "  # of every error message
 CALLS = OPS + [permute_2D_sparse_data]  # the Python entry point runs the kernels directly
 
 
@@ -96,6 +97,27 @@ def test_values_longer_than_lengths_sum(device) -> None:
     assert_same(permute_2D_sparse_data(*case.args()), fbgemm_reference(case))
 
 
+def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``t`` as a view ``offset`` elements into a larger buffer."""
+    buf = torch.empty(offset + t.numel(), dtype=t.dtype, device=t.device)
+    return buf[offset:].view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_inputs_and_buffers_at_any_offset(device, call) -> None:
+    """Views 1 element into their buffer (4 or 8 bytes: not 16-byte aligned), alternating with
+    aligned ones, each twice: the CUDA kernels are specialized on alignment, and the later calls
+    go through the cached launchers (recpipe.ops.permute_triton._launch)."""
+    case = make_case(9, 5, 12, values_dtype=torch.int64, seed=8).to(device)
+    ref = fbgemm_reference(case)
+    n = int(ref[0].sum())
+    for offset in (0, 1, 0, 1):
+        moved = (_at_offset(t, offset) for t in case.args())
+        outs = (_at_offset(b, offset) for b in buffers(case, n))
+        got = call(*moved, n, *outs)
+        assert_same(got, ref)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 
@@ -178,7 +200,9 @@ def test_weights_out_without_weights_raises() -> None:
 @pytest.mark.parametrize("give_sum", [True, False])
 @pytest.mark.parametrize("with_out", [True, False])
 @pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
-def test_negative_lengths_raise(device, negative: str, give_sum: bool, with_out: bool, call) -> None:
+def test_negative_lengths_raise(
+    device, negative: str, give_sum: bool, with_out: bool, call
+) -> None:
     if give_sum and device.type == "cuda":
         pytest.skip("a device-side assert (tests/test_permute_triton.py checks its status flag)")
     case, n = _valid(device)
@@ -188,8 +212,8 @@ def test_negative_lengths_raise(device, negative: str, give_sum: bool, with_out:
         case.lengths[1, 1] = -1
     else:
         case.lengths[1] = torch.tensor([0, -2, 0])
-    got = rf"^recpipe.permute_2D_sparse_data: lengths must be >= 0, got \[{-1 if negative == 'length' else -2}\]$"
-    with pytest.raises(ValueError, match=got):
+    first = -1 if negative == "length" else -2
+    with pytest.raises(ValueError, match=rf"{PREFIX}lengths must be >= 0, got \[{first}\]$"):
         call(*case.args(), n if give_sum else None, *outs)
 
 
@@ -256,8 +280,8 @@ def test_out_buffer_with_grad_raises(grad_of: str, which: int, call) -> None:
     name = ("permuted_lengths_out", "permuted_indices_out", "permuted_weights_out")[which]
     args = dict(values=case.values, weights=case.weights)
     args[grad_of] = args[grad_of].detach().requires_grad_()
-    with pytest.raises(ValueError, match=f"^recpipe.permute_2D_sparse_data: {name} must be None "
-                       f"when {grad_of} requires grad$"):
+    message = f"{PREFIX}{name} must be None when {grad_of} requires grad$"
+    with pytest.raises(ValueError, match=message):
         call(case.permute, case.lengths, args["values"], args["weights"], n, *outs)
     with torch.no_grad():  # nothing to record: the buffer is written
         got = call(case.permute, case.lengths, args["values"], args["weights"], n, *outs)
