@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,6 +58,25 @@ def all_to_all_awaitables(request: Awaitable) -> Iterator[KJTAllToAllTensorsAwai
 def all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> KeyedJaggedTensor:
     """The KJT whose class ``dist_init`` is looked up on (torchrec 1.6 and 1.8: ``_input``)."""
     return awaitable._input
+
+
+def release_all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> None:
+    """Drop ``awaitable``'s references to the tensors it sent; queues a wait for its all-to-all
+    on the current stream first (c10d ``Work.wait``: NCCL makes the stream wait, no host sync;
+    idempotent, torchrec waits again later). What ``_wait_impl`` still reads of its input (the
+    class, ``variable_stride_per_key``) is kept. Storage is not resized: the memory goes when
+    its last holder does, so other views (an EmbeddingCollection's context, the batch's own
+    KJT when ``split`` returned it whole) stay valid. torchrec 1.6 and 1.8 (``_input``,
+    ``_awaitables``; 1.8 also ``_input_tensors``)."""
+    for work in awaitable._awaitables:
+        work.wait()
+    hollow = copy.copy(awaitable._input)
+    for name, value in vars(hollow).items():
+        if isinstance(value, torch.Tensor):
+            setattr(hollow, name, value.new_empty(0))
+    awaitable._input = hollow
+    if hasattr(awaitable, "_input_tensors"):
+        awaitable._input_tensors = []
 
 
 def clears_data_dist_inputs(pipeline: object) -> bool:

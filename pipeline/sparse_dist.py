@@ -16,6 +16,10 @@ where the two permutes of the sparse input distribution write (shared/DESIGN.md)
 - P2, the recat permute in ``dist_init`` (world size > 1, data_dist stream, inside the
   pipelined forward): into buffers allocated on the main stream
   (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
+- What the all-to-alls sent (world size > 1: the feature-permuted KJT; a row-wise group's
+  bucketized KJT, a second batch-sized tensor): torchrec holds it until the forward a step
+  later; recpipe drops it when the next batch's input dist starts, after data_dist waited for
+  the all-to-all (:meth:`TrainPipelineSparseDist._release_sent_inputs`).
 
 How the permutes are reached: Python runs at P1 and P2 only. The batch's KJTs take a
 per-pipeline subclass (:func:`recpipe.kjt.redirecting_kjt_type`) during each pipelined module's
@@ -52,6 +56,7 @@ from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
     clears_data_dist_inputs,
+    release_all_to_all_input,
     dist_init_on_main_stream,
     pipeline_options,
     stale_index_refs,
@@ -143,8 +148,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._ring = BufferRing(
             main, 2 if split else self.ring_depth, stale_refs=stale_index_refs(self._model)
         )
-        #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2), and the
-        #: torch calls the interception saw ("seen")
+        #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2), the torch
+        #: calls the interception saw ("seen"), all-to-all inputs given back early ("released")
         self.redirected: Counter = Counter()
         # P2, the recat after the all-to-all: only with more than one rank
         self._redirect_dist_init = world > 1
@@ -157,11 +162,27 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
         # from _pipeline_model); torchrec switches to data_dist inside.
+        if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
+            self._release_sent_inputs(self.contexts[0])
         if not self._use_ring or batch is None:
             return super().start_sparse_data_dist(batch, context)
         self._input_dist_runner = self._ring_runner(context.index)
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
+
+    def _release_sent_inputs(self, context: TrainPipelineContext) -> None:
+        """Give back what batch ``context``'s all-to-alls sent (the feature-permuted KJT, a
+        row-wise group's bucketized KJT): torchrec keeps them until the forward pops the
+        request, a step after the all-to-all read them, so that the next batch's input dist
+        would allocate beside them. On data_dist, which allocated them and now waits for the
+        all-to-all (a device-side wait): the next batch's allocations there reuse the memory
+        in stream order. The host has issued the all-to-all a step ago; nothing waits on main.
+        """
+        with self._stream_context(self._data_dist_stream):
+            for request in context.input_dist_tensors_requests.values():
+                for awaitable in all_to_all_awaitables(request):
+                    release_all_to_all_input(awaitable)
+                    self.redirected["released"] += 1
 
     def _ring_runner(self, batch_index: int) -> Runner:
         if self.split_input_dist_permute:
@@ -232,6 +253,7 @@ class _DistInitRedirected(Awaitable[Any]):
         super().__init__()
         self._inner = inner
         self._kjt_type = kjt_type
+        self.awaitables = [inner]  # what it waits on, as torchrec's list awaitables name it
 
     def _wait_impl(self) -> Any:
         inputs = [all_to_all_input(a) for a in all_to_all_awaitables(self._inner)]

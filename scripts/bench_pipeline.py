@@ -240,9 +240,14 @@ def child(a: argparse.Namespace) -> None:
 
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                        schedule=schedule(wait=a.warmup, warmup=1, active=3, repeat=1))
+    if a.snapshot and cuda:
+        from memory_snapshot import SnapshotProfiler
+
+        os.makedirs(a.snapshot, exist_ok=True)
+        prof = SnapshotProfiler(os.path.join(a.snapshot, f"{a.run_one}-rank{rank}.pickle"))
     with deterministic_kernels(a.deterministic):
         res = run_once(a.run_one, spec, a.sharding.split(","), device, data, a.warmup, a.steps, prof)
-    if prof is not None:
+    if a.profile:
         os.makedirs(a.profile, exist_ok=True)
         prof.export_chrome_trace(os.path.join(a.profile, f"{a.run_one}-rank{rank}.json"))
     res.update(kjt_mib=kjt_bytes(data[0]) / 2**20, world=dist.get_world_size(),
@@ -342,6 +347,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also append the table (markdown) here")
     p.add_argument("--profile", default=None,
                    help="write a torch.profiler chrome trace of 3 timed steps per run here")
+    p.add_argument("--snapshot", default=None,
+                   help="write a CUDA memory snapshot of each run here (scripts/memory_snapshot.py "
+                        "prints what is live at the peak)")
     p.add_argument("--json", default=None, help="write all runs' numbers here")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms (warn only): for comparing losses "
@@ -365,7 +373,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                  if k in ("config", "sharding", "warmup", "steps", "distinct_batches", "data_dir")
-                 or (k in ("batch_size", "profile") and v)]
+                 or (k in ("batch_size", "profile", "snapshot") and v)]
     forwarded += ["--deterministic"] if a.deterministic else []
     for r in range(a.repeats):
         for name in names:
