@@ -61,15 +61,17 @@ def all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> KeyedJaggedTenso
 
 
 def release_all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> None:
-    """Drop ``awaitable``'s references to the tensors it sent; queues a wait for its all-to-all
-    on the current stream first (c10d ``Work.wait``: NCCL makes the stream wait, no host sync;
-    idempotent, torchrec waits again later). What ``_wait_impl`` still reads of its input (the
+    """Drop ``awaitable``'s references to the tensors it sent; waits for its all-to-all on the
+    current stream first (c10d ``Work.wait``: NCCL makes the stream wait, no host sync; gloo
+    returns when done) and drops the works: the stream that later waits the awaitable (the same
+    data_dist) is already ordered after them. What ``_wait_impl`` still reads of its input (the
     class, ``variable_stride_per_key``) is kept. Storage is not resized: the memory goes when
     its last holder does, so other views (an EmbeddingCollection's context, the batch's own
     KJT when ``split`` returned it whole) stay valid. torchrec 1.6 and 1.8 (``_input``,
     ``_awaitables``; 1.8 also ``_input_tensors``)."""
     for work in awaitable._awaitables:
         work.wait()
+    awaitable._awaitables = []  # the works themselves hold the tensors (gloo) until dropped
     hollow = copy.copy(awaitable._input)
     for name, value in vars(hollow).items():
         if isinstance(value, torch.Tensor):
