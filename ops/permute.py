@@ -1,7 +1,7 @@
 """``recpipe::permute_2D_sparse_data``: fbgemm's sparse permute, with optional preallocated outputs.
 
 Layout of the library entries (a custom op may not return an alias of an input, so the zero-copy
-contract is split, as shared/DESIGN.md explains):
+contract is split):
 
 - ``recpipe::_permuted_lengths_sum(permute, lengths) -> SymInt``: the size of the permuted
   values. Syncs with the device once, checks the permute range and that no length is negative.

@@ -1,7 +1,7 @@
 """``TrainPipelineSparseDist`` with the KJT permutes written into memory that is reusable on time.
 
 A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
-where the two permutes of the sparse input distribution write (shared/DESIGN.md):
+where the two permutes of the sparse input distribution write (README, design notes):
 
 - P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
   pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight
