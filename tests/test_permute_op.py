@@ -263,7 +263,7 @@ def test_grads_of_repeated_and_dropped_rows(device, B: int | None, call) -> None
     positions = [starts[r] + k for r in case.permute.tolist() for k in range(row_sums[r])]
     g = torch.Generator().manual_seed(23)
     out_grads = [torch.randn(len(positions), generator=g) for _ in range(2)]
-    ref = _grads(lambda p, l, v, w, n: (l, v[positions], w[positions]), case, None, out_grads)
+    ref = _grads(lambda p, lengths, v, w, n: (lengths, v[positions], w[positions]), case, None, out_grads)
     got = _grads(call, case.to(device), None, out_grads)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
