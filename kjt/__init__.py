@@ -1,5 +1,6 @@
 """recpipe.kjt: permute KeyedJaggedTensors into buffers sized from host metadata."""
 
+from recpipe.kjt.copy import copy_batch
 from recpipe.kjt.permute import (
     Allocator,
     PermuteBuffers,
@@ -21,6 +22,7 @@ __all__ = [
     "PermuteSpec",
     "Runner",
     "allocate",
+    "copy_batch",
     "as_type",
     "kjt_permute_spec",
     "permute_kjt",

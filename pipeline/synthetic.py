@@ -21,6 +21,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from recpipe.kjt import copy_batch
+
 
 @dataclass
 class ModelSpec:
@@ -62,7 +64,17 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     _unused: list = field(default_factory=list)
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+    def to(
+        self,
+        device: torch.device,
+        non_blocking: bool = False,
+        data_copy_stream: torch.Stream | None = None,
+    ) -> "Batch":
+        """torchrec's ``Pipelineable.to``; with ``data_copy_stream`` (torchrec 1.8's
+        ``enable_inplace_copy_batch``) the outputs are allocated on the current stream and
+        copied on ``data_copy_stream`` (:func:`recpipe.kjt.copy_batch`)."""
+        if data_copy_stream is not None:
+            return copy_batch(self, torch.device(device), data_copy_stream)
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),
             {k: v.to(device, non_blocking=non_blocking) for k, v in self.sparse.items()},

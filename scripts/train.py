@@ -6,7 +6,7 @@
     python scripts/train.py -m pipeline=torchrec,recpipe       # a sweep (Hydra multirun)
 
 Configs: configs/ (groups model, data, sharding, pipeline, hardware, trainer); the schema and
-value checks: recpipe.pipeline.train_config. Output (rank 0): <output_dir>/<time>-<pipeline>/
+value checks: recpipe.pipeline.app.config. Output (rank 0): <output_dir>/<time>-<pipeline>/
 with config.yaml, metrics.jsonl and checkpoint/.
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from recpipe.pipeline.train_config import register, validate
-from recpipe.pipeline.trainer import run_dir, train
+from recpipe.pipeline.app.config import register, validate
+from recpipe.pipeline.app.trainer import run_dir, train
 
 register()
 

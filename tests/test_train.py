@@ -14,8 +14,8 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recpipe.pipeline.train_config import register, validate
-from recpipe.pipeline.trainer import train
+from recpipe.pipeline.app.config import register, validate
+from recpipe.pipeline.app.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register()

@@ -30,7 +30,7 @@ from recpipe.pipeline.synthetic import (
     make_batch,
     deterministic_kernels,
 )
-from recpipe.pipeline.train_config import TrainConfig
+from recpipe.pipeline.app.config import TrainConfig
 
 PIPELINES = {"torchrec": TorchrecPipeline, "recpipe": RecpipePipeline}
 

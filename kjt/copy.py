@@ -1,0 +1,72 @@
+"""Host-to-device batch copies into memory of the consuming stream (no ``record_stream``).
+
+torchrec's pipelines copy each batch on a side stream (``memcpy``) and then call
+``record_stream(main)`` on every tensor, so the caching allocator keeps each block from reuse
+until main's work on it is done, which in practice holds one more batch. torchrec 1.8's
+``enable_inplace_copy_batch`` instead allocates on main and copies on the side stream, but only
+for batches whose ``to()`` takes a ``data_copy_stream`` argument.
+
+:func:`copy_batch` does that for any ``Pipelineable`` (any ``to(device, non_blocking)``), on
+every torchrec version: it runs the batch's own ``to`` under a mode that turns each host-to-
+device ``Tensor.to`` into an allocation on the current stream and a ``copy_`` on the copy stream,
+ordered by one event recorded after the allocation. KJT metadata (cached ``length_per_key``,
+strides) stays what the batch's ``to`` makes of it.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+T = TypeVar("T")
+
+
+class _CopyOn(TorchFunctionMode):
+    """Inside: ``t.to(device, ...)`` of a host tensor allocates on the current stream and copies
+    on ``stream``. Other calls run unchanged."""
+
+    def __init__(self, device: torch.device, stream: torch.Stream) -> None:
+        super().__init__()
+        self.device, self.stream = device, stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and self._is_host_to_device(args, kwargs):
+            src = args[0]
+            out = torch.empty_like(src, device=self.device)  # on the current stream
+            self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+            with torch.cuda.stream(self.stream):
+                out.copy_(src, non_blocking=kwargs.get("non_blocking", False))
+            return out
+        return func(*args, **kwargs)
+
+    def _is_host_to_device(self, args: tuple, kwargs: dict) -> bool:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
+            return False
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if isinstance(target, (str, int)):
+            target = torch.device(target)
+        extra = set(kwargs) - {"device", "non_blocking"}
+        return (isinstance(target, torch.device) and _indexed(target) == self.device
+                and not extra and len(args) <= 2)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def copy_batch(batch: T, device: torch.device, stream: torch.Stream) -> T:
+    """``batch.to(device, non_blocking=True)`` with every host-to-device copy on ``stream`` and
+    every destination allocated on the current stream (the consumer).
+
+    Contract: the caller makes the consumer wait on ``stream`` before it reads the result
+    (``current_stream().wait_stream(stream)``), and needs no ``record_stream``: the memory belongs
+    to the current stream, so freeing it there is ordered after the consumer's reads. Host
+    tensors must stay valid until the copy ends (pinned memory: the host allocator tracks it).
+    """
+    with _CopyOn(_indexed(torch.device(device)), stream):
+        return batch.to(device, non_blocking=True)
