@@ -25,12 +25,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    schema: str = "synthetic"  # synthetic | criteo (13 dense + 26 sparse features)
+    schema: str = "synthetic"  # synthetic | criteo (13 dense + 26 sparse features) | movielens | criteo_tsv
     batch_size: int = 64  # per rank
     pooling: int = 4  # mean ids per sample and feature
     zipf: float = 1.1
     dense_in: int = 13
     seed: int = 0
+    path: str | None = None  # movielens: the converted .npz; criteo_tsv: a file or directory
+    eval_fraction: float = 0.2  # movielens: the last (time-ordered) fraction is the eval part
+    max_history: int = 20  # movielens: cap on the user's earlier items per sample
 
 
 @dataclass
