@@ -4,6 +4,8 @@ The model has the three kinds of sparse module whose input dist permutes KJTs: a
 ``EmbeddingBagCollection``, a weighted one, and an ``EmbeddingCollection`` (sequence features,
 sum-pooled here). Batches are :class:`Batch`, a ``Pipelineable`` with one KJT per module.
 Ids follow a Zipf law; the number of ids per sample varies uniformly around ``pooling``.
+The real-data sources (``recpipe.pipeline.app.movielens``, ``criteo_tsv``) build the same model
+from a :class:`ModelSpec` with an explicit table layout (:class:`TableSpec`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
@@ -24,9 +26,27 @@ from torchrec.streamable import Pipelineable
 from recpipe.kjt import copy_batch
 
 
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table; its ``features`` share it (e.g. an item id and the user's earlier
+    items). ``pooling`` (sum | mean) applies in an ``EmbeddingBagCollection``."""
+
+    name: str
+    rows: int
+    dim: int
+    features: tuple[str, ...]
+    pooling: str = "sum"
+
+
 @dataclass
 class ModelSpec:
-    """Sizes of the synthetic model and its data (per rank)."""
+    """Sizes of the model and its data (per rank).
+
+    By default each sparse module (``ebc``; ``wbc`` if ``weighted``; ``ec`` if ``sequence``) has
+    ``num_tables`` tables of ``rows x dim``, one feature each. ``layout`` replaces that layout
+    with explicit tables per module (keys among ``ebc``, ``wbc``, ``ec``); ``num_tables``,
+    ``rows``, ``weighted`` and ``sequence`` are then unused, and ``dim`` is the dense arch's
+    output width only."""
 
     num_tables: int = 4  # per sparse module
     rows: int = 1000
@@ -37,22 +57,33 @@ class ModelSpec:
     zipf: float = 1.1
     weighted: bool = True  # add the weighted EmbeddingBagCollection
     sequence: bool = True  # add the EmbeddingCollection
+    layout: dict[str, tuple[TableSpec, ...]] | None = None  # explicit tables per module
+    over_arch: tuple[int, ...] = (64,)  # hidden widths of the over-arch MLP
 
-    def modules(self) -> dict[str, str]:
-        """Sparse module name -> feature-name prefix."""
-        out = {"ebc": "f"}
-        if self.weighted:
-            out["wbc"] = "w"
-        if self.sequence:
-            out["ec"] = "s"
-        return out
+    def modules(self) -> list[str]:
+        """The sparse modules' names, in the model's order."""
+        if self.layout is not None:
+            return [m for m in ("ebc", "wbc", "ec") if m in self.layout]
+        return ["ebc"] + ["wbc"] * self.weighted + ["ec"] * self.sequence
+
+    def table_specs(self, module: str) -> tuple[TableSpec, ...]:
+        if self.layout is not None:
+            return self.layout[module]
+        prefix = {"ebc": "f", "wbc": "w", "ec": "s"}[module]
+        return tuple(
+            TableSpec(f"{module}_t{i}", self.rows, self.dim, (f"{prefix}{i}",))
+            for i in range(self.num_tables)
+        )
 
     def tables(self, module: str) -> list[str]:
-        return [f"{module}_t{i}" for i in range(self.num_tables)]
+        return [t.name for t in self.table_specs(module)]
 
     def features(self, module: str) -> list[str]:
-        prefix = self.modules()[module]
-        return [f"{prefix}{i}" for i in range(self.num_tables)]
+        return [f for t in self.table_specs(module) for f in t.features]
+
+    def width(self) -> int:
+        """Width of the sparse arch's output: one embedding per feature."""
+        return sum(t.dim * len(t.features) for m in self.modules() for t in self.table_specs(m))
 
 
 @dataclass
@@ -96,7 +127,7 @@ class Batch(Pipelineable):
 
 
 class SparseArch(nn.Module):
-    """The sparse modules; returns one pooled ``[B, num_tables * dim]`` tensor per module."""
+    """The sparse modules; returns one pooled ``[B, features * dim]`` tensor per module."""
 
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         super().__init__()
@@ -105,10 +136,10 @@ class SparseArch(nn.Module):
             name: EmbeddingBagCollection(
                 [
                     EmbeddingBagConfig(
-                        name=t, embedding_dim=spec.dim, num_embeddings=spec.rows,
-                        feature_names=[f],
+                        name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
+                        feature_names=list(t.features), pooling=PoolingType[t.pooling.upper()],
                     )
-                    for t, f in zip(spec.tables(name), spec.features(name))
+                    for t in spec.table_specs(name)
                 ],
                 is_weighted=name == "wbc",
                 device=device,
@@ -116,23 +147,25 @@ class SparseArch(nn.Module):
             for name in spec.modules()
             if name != "ec"
         }
-        self.ebc = bags["ebc"]
+        self.ebc = bags.get("ebc")
         self.wbc = bags.get("wbc")
         self.ec = None
-        if spec.sequence:
+        if "ec" in spec.modules():
             self.ec = EmbeddingCollection(
                 [
                     EmbeddingConfig(
-                        name=t, embedding_dim=spec.dim, num_embeddings=spec.rows,
-                        feature_names=[f],
+                        name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
+                        feature_names=list(t.features),
                     )
-                    for t, f in zip(spec.tables("ec"), spec.features("ec"))
+                    for t in spec.table_specs("ec")
                 ],
                 device=device,
             )
 
     def forward(self, sparse: dict[str, KeyedJaggedTensor]) -> list[torch.Tensor]:
-        out = [self.ebc(sparse["ebc"]).values()]
+        out = []
+        if self.ebc is not None:
+            out.append(self.ebc(sparse["ebc"]).values())
         if self.wbc is not None:
             out.append(self.wbc(sparse["wbc"]).values())
         if self.ec is not None:
@@ -159,11 +192,12 @@ class Model(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(spec, device)
-        width = spec.dim * spec.num_tables * len(spec.modules())
         self.dense_arch = nn.Sequential(nn.Linear(spec.dense_in, spec.dim), nn.ReLU()).to(device)
-        self.over_arch = nn.Sequential(
-            nn.Linear(width + spec.dim, 64), nn.ReLU(), nn.Linear(64, 1)
-        ).to(device)
+        widths = [spec.width() + spec.dim, *spec.over_arch]
+        layers: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.over_arch = nn.Sequential(*layers, nn.Linear(widths[-1], 1)).to(device)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         x = torch.cat([self.dense_arch(batch.dense), *self.sparse_arch(batch.sparse)], dim=1)
@@ -202,22 +236,25 @@ def deterministic_kernels(enabled: bool = True) -> Iterator[None]:
 
 
 def make_batch(spec: ModelSpec, seed: int, empty: bool = False) -> Batch:
-    """A CPU batch, deterministic in ``seed``; ``empty`` gives all-zero lengths."""
+    """A CPU batch, deterministic in ``seed``; ``empty`` gives all-zero lengths. With an
+    explicit ``layout``, each feature's Zipf ids are folded into its table's rows."""
     g = torch.Generator().manual_seed(seed)
     B = spec.batch_size
     sparse = {}
     for module in spec.modules():
         keys = spec.features(module)
+        rows = torch.tensor([t.rows for t in spec.table_specs(module) for _ in t.features])
         lengths = torch.randint(0, 2 * spec.pooling + 1, (len(keys) * B,), generator=g)
         if empty:
             lengths.zero_()
         n = int(lengths.sum())
         weights = torch.rand(n, generator=g) if module == "wbc" else None
+        values = torch.zeros(0, dtype=torch.int64)
+        if n:
+            values = _zipf_ids(n, int(rows.max()), spec.zipf, g)
+            values %= rows.repeat_interleave(B).repeat_interleave(lengths)
         sparse[module] = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys,
-            values=_zipf_ids(n, spec.rows, spec.zipf, g) if n else torch.zeros(0, dtype=torch.int64),
-            lengths=lengths,
-            weights=weights,
+            keys=keys, values=values, lengths=lengths, weights=weights
         )
     dense = torch.randn(B, spec.dense_in, generator=g)
     labels = (torch.rand(B, generator=g) < 0.3).float()
