@@ -1,60 +1,128 @@
-"""Train the synthetic DLRM-style model with torchrec's or recpipe's pipeline (Hydra config).
+"""Train the DLRM-style model with torchrec's or recpipe's pipeline (Hydra config).
 
     python scripts/train.py                                    # 1 CPU process (gloo), ~15 s
     python scripts/train.py pipeline=torchrec trainer.steps=100
+    python scripts/train.py trainer.resume=true trainer.checkpoint_dir=DIR   # continue a run
     torchrun --nproc-per-node=2 scripts/train.py hardware=cuda
     python scripts/train.py -m pipeline=torchrec,recpipe       # a sweep (Hydra multirun)
 
 Configs: configs/ (groups model, data, sharding, pipeline, hardware, trainer); the schema and
 value checks: recpipe.pipeline.app.config. Output (rank 0): <output_dir>/<time>-<pipeline>/
-with config.yaml, metrics.jsonl and checkpoint/.
+with config.yaml, metrics.jsonl and checkpoint/ (unless trainer.checkpoint_dir is given).
+
+A usage problem (a bad value, an option this machine cannot run, a checkpoint directory that
+cannot be used as asked, a diverged loss) ends the run with one line ``error: ...`` and exit
+status 1. SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line naming
+it and the command that resumes it (exit status 130/143).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shlex
+import signal
+import sys
+import warnings
 
 import hydra
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from recpipe.pipeline.app.config import register, validate
-from recpipe.pipeline.app.trainer import run_dir, train
+from recpipe.pipeline.app.config import UsageError, register, validate
 
 register()
+log = logging.getLogger("recpipe")
+
+#: FutureWarnings about torchrec 1.8's internals (its planner's defaults, its DDP arguments, the
+#: ShardedTensors DCP loads), printed on every run: (module, message)
+KNOWN_WARNINGS = (
+    (r"torchrec\.distributed\.planner\.planners", "HeuristicalStorageReservation is known"),
+    (r"torchrec\.distributed\.model_parallel", "`broadcast_buffers` is deprecated"),
+    (r"torch\.distributed\.checkpoint\.", "Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+
+def _console(rank: int) -> None:
+    """recpipe's messages on stderr, bare, from rank 0 only; torchrec's known warnings off."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.disabled = False  # Hydra's job_logging=disabled turned off the loggers made before the job
+    log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+    log.propagate = False
+    for module, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
 
 
 def _init_distributed(backend: str) -> torch.device:
-    if "RANK" not in os.environ:  # plain `python scripts/train.py`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
+    if "RANK" not in os.environ:  # plain `python scripts/train.py`: one process, a free port
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        init = dict(store=store, rank=0, world_size=1)
+    else:  # torchrun: its rendezvous
+        init = {}
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **init)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _resume_command(checkpoint_dir: str) -> str:
+    """This run's command line, continuing from ``checkpoint_dir``."""
+    skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite")
+    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") not in skip]
+    world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        launcher = "python"
+    elif world == local:
+        launcher = f"torchrun --nproc-per-node={local}"
+    else:
+        launcher = "torchrun [the same options]"
+    args = [sys.argv[0], *overrides, f"trainer.checkpoint_dir={checkpoint_dir}", "trainer.resume=true"]
+    return f"{launcher} {shlex.join(args)}"
+
+
+def _run(dcfg: DictConfig) -> list[dict]:
+    """Validate, start the process group, train; the metrics rows rank 0 logged."""
+    cfg = OmegaConf.to_object(dcfg)
+    validate(cfg)
+    device = _init_distributed(cfg.hardware.backend)
+    from recpipe.pipeline.app.trainer import TrainingInterrupted, train  # torchrec: once valid
+
+    try:
+        return train(cfg, device)
+    except TrainingInterrupted as e:
+        where = (f"checkpoint {e.checkpoint}; resume with: {_resume_command(e.checkpoint_dir)}"
+                 if e.checkpoint else "no checkpoint (trainer.checkpoint=false)")
+        log.warning("interrupted (%s) after step %d: %s", signal.Signals(e.signum).name, e.step, where)
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        dist.destroy_process_group()
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    cfg = OmegaConf.to_object(dcfg)
+    rank = int(os.environ.get("RANK", "0"))
+    _console(rank)
     try:
-        validate(cfg)
-    except ValueError as e:
-        raise SystemExit(f"config error: {e}") from None
-    device = _init_distributed(cfg.hardware.backend)
-    out = run_dir(cfg)
-    if dist.get_rank() == 0:
-        OmegaConf.save(dcfg, os.path.join(out, "config.yaml"))
-        print(f"run dir: {out}  (world size {dist.get_world_size()}, {device})", flush=True)
-    metrics = train(cfg, device, out)
-    if dist.get_rank() == 0 and metrics:
-        first, last = metrics[0], metrics[-1]
-        print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f}, auc {last['auc']:.3f}, "
-              f"{last['samples_per_s']:.0f} samples/s", flush=True)
+        rows = _run(dcfg)
+    except UsageError as e:
+        raise SystemExit(f"error: {e}" if rank == 0 else 1) from None
+    except KeyboardInterrupt:
+        log.warning("interrupted before training started: nothing saved")
+        raise SystemExit(130) from None
+    train_rows = [r for r in rows if "loss" in r]
+    if train_rows:
+        first, last = train_rows[0], train_rows[-1]
+        log.info("done: loss %.4f -> %.4f, auc %.3f, %.0f samples/s", first["loss"], last["loss"],
+                 last["auc"], last["samples_per_s"])
 
 
 if __name__ == "__main__":

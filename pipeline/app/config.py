@@ -1,17 +1,29 @@
 """Structured (dataclass) configs of the training job; Hydra's schema for configs/.
 
 Unknown keys and wrongly typed values fail when Hydra composes the config (OmegaConf names the
-key); :func:`validate` checks values (``steps > 0``...) with messages naming the key.
+key); :func:`validate` checks values (``steps > 0``...) and what this machine can run (CUDA,
+row-wise sharding) before torchrec is called, raising :class:`UsageError` with one line that
+names the key and what to do.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+SCHEMAS = ("synthetic", "criteo", "movielens", "criteo_tsv")
+MAX_LR = 100.0  # above this every optimizer offered diverges on every model here
+
+
+class UsageError(Exception):
+    """Something the user can fix (a config value, a checkpoint directory): the message is one
+    line saying what is wrong and what to do. ``scripts/train.py`` prints it without a
+    traceback and exits non-zero."""
 
 
 @dataclass
@@ -64,10 +76,17 @@ class TrainerConfig:
     log_interval: int = 25
     seed: int = 1
     checkpoint_dir: str | None = None  # default: <run dir>/checkpoint
-    checkpoint_interval: int = 0  # steps; 0: only at the end
+    # a checkpoint every checkpoint_interval steps or checkpoint_minutes of wall time, whichever
+    # comes first (0: not by that measure), at the end and on SIGINT/SIGTERM
+    checkpoint_interval: int = 1000
+    checkpoint_minutes: float = 10.0
+    keep_checkpoints: int = 3  # the newest N complete checkpoints stay; 0: all
     checkpoint: bool = True  # false: write no checkpoint at all (benchmark runs)
     resume: bool = False  # continue from checkpoint_dir's latest checkpoint
-    stop_after: int | None = None  # stop (as if interrupted) after this many steps
+    overwrite: bool = False  # a fresh run may delete the checkpoints already in checkpoint_dir
+    stop_after: int | None = None  # stop (as if interrupted) after this step
+    eval: bool = True  # evaluate on the data source's held-out batches
+    eval_interval: int = 0  # steps between evaluations; 0: at the end only
     deterministic: bool = False  # deterministic GPU kernels: repeatable losses, slower
 
 
@@ -93,19 +112,31 @@ def register() -> None:
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
+def save_yaml(cfg: TrainConfig, path: str) -> None:
+    """Write ``cfg`` as YAML (the run's ``config.yaml``)."""
+    OmegaConf.save(OmegaConf.structured(cfg), path)
+
+
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{key}={value!r}: expected one of {', '.join(allowed)}")
+        raise UsageError(f"{key}={value!r}: expected one of {', '.join(allowed)}")
 
 
 def _positive(key: str, value: float, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{key}={value}: must be {'>= 0' if zero_ok else '> 0'}")
+    if not value >= 0 or (value == 0 and not zero_ok):  # NaN fails too
+        raise UsageError(f"{key}={value}: must be {'>= 0' if zero_ok else '> 0'}")
+
+
+def _finite(key: str, value: float, high: float = math.inf) -> None:
+    """``0 < value <= high`` and finite."""
+    if not (math.isfinite(value) and 0 < value <= high):
+        bound = f" and <= {high:g}" if math.isfinite(high) else ""
+        raise UsageError(f"{key}={value}: must be finite, > 0{bound}")
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raise ValueError naming the first bad key."""
-    _choice("data.schema", cfg.data.schema, ("synthetic", "criteo"))
+    """Raise :class:`UsageError` naming the first bad key, or an option this machine cannot run."""
+    _choice("data.schema", cfg.data.schema, SCHEMAS)
     _choice("pipeline.name", cfg.pipeline.name, ("recpipe", "torchrec"))
     _choice("pipeline.dense_allreduce", cfg.pipeline.dense_allreduce,
             ("ddp", "nccl", "symm_mem", "auto"))
@@ -115,17 +146,62 @@ def validate(cfg: TrainConfig) -> None:
     for t in cfg.sharding.types:
         _choice("sharding.types", t, SHARDING_TYPES)
     if not cfg.sharding.types:
-        raise ValueError("sharding.types: give at least one sharding type")
+        raise UsageError("sharding.types: give at least one sharding type")
     for key in ("model.num_tables", "model.rows", "model.dim", "data.batch_size",
                 "data.dense_in", "trainer.steps", "trainer.log_interval"):
         group, name = key.split(".")
         _positive(key, getattr(getattr(cfg, group), name))
-    _positive("data.pooling", cfg.data.pooling, zero_ok=True)
-    _positive("trainer.lr", cfg.trainer.lr)
-    _positive("trainer.checkpoint_interval", cfg.trainer.checkpoint_interval, zero_ok=True)
+    for key in ("data.pooling", "data.max_history", "trainer.checkpoint_interval",
+                "trainer.keep_checkpoints", "trainer.eval_interval"):
+        group, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, group), name), zero_ok=True)
+    _finite("trainer.lr", cfg.trainer.lr, MAX_LR)
+    _finite("data.zipf", cfg.data.zipf)
+    if not (0 < cfg.data.eval_fraction < 1):
+        raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in (0, 1)")
+    if not (math.isfinite(cfg.trainer.checkpoint_minutes) and cfg.trainer.checkpoint_minutes >= 0):
+        raise UsageError(f"trainer.checkpoint_minutes={cfg.trainer.checkpoint_minutes}: "
+                         "must be finite and >= 0 (0: no time-based checkpoints)")
+    if cfg.trainer.stop_after is not None:
+        _positive("trainer.stop_after", cfg.trainer.stop_after)
     if cfg.model.dim % 4:
-        raise ValueError(f"model.dim={cfg.model.dim}: must be a multiple of 4 (fbgemm TBE)")
+        raise UsageError(f"model.dim={cfg.model.dim}: must be a multiple of 4 (fbgemm TBE)")
+    if cfg.data.schema == "criteo_tsv" and not cfg.data.path:
+        raise UsageError("data.schema=criteo_tsv needs data.path=FILE_OR_DIRECTORY (Criteo TSV)")
+    _validate_resume(cfg.trainer)
+    _validate_hardware(cfg)
+
+
+def _validate_resume(t: TrainerConfig) -> None:
+    if t.resume and not t.checkpoint_dir:
+        raise UsageError("trainer.resume=true needs trainer.checkpoint_dir=DIR: the checkpoint "
+                         "directory of the run to continue")
+    if t.resume and t.overwrite:
+        raise UsageError("trainer.resume=true and trainer.overwrite=true contradict each other: "
+                         "resume continues the checkpoints, overwrite deletes them; pick one")
+
+
+def _validate_hardware(cfg: TrainConfig) -> None:
+    """Options this machine (or torchrec 1.8) cannot run, before torchrec is called."""
+    import torch  # here, not at import: the Hydra schema alone needs no torch
+
     if cfg.pipeline.dense_allreduce == "symm_mem" and cfg.hardware.device != "cuda":
-        raise ValueError("pipeline.dense_allreduce=symm_mem needs hardware=cuda")
+        raise UsageError("pipeline.dense_allreduce=symm_mem needs hardware=cuda")
     if cfg.hardware.device == "cuda" and cfg.hardware.backend != "nccl":
-        raise ValueError("hardware.backend must be nccl with hardware.device=cuda")
+        raise UsageError("hardware.backend must be nccl with hardware.device=cuda")
+    if cfg.hardware.device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if gpus < local:
+            raise UsageError(f"hardware=cuda: {local} rank(s) on this host but {gpus} CUDA GPU(s) "
+                             "visible: use hardware=cpu, or one rank per GPU")
+    row_wise = sorted({t for t in cfg.sharding.types if "row_wise" in t})
+    if row_wise and cfg.hardware.device == "cpu":
+        raise UsageError(f"sharding.types={row_wise[0]}: torchrec has no CPU kernel for row-wise "
+                         "sharding; use hardware=cuda, or table_wise / column_wise on CPU")
+    types = cfg.sharding.types
+    has_ec = cfg.data.schema == "synthetic" and cfg.model.sequence
+    if has_ec and any(types[i % len(types)] == "data_parallel" for i in range(cfg.model.num_tables)):
+        raise UsageError("sharding.types=data_parallel: torchrec 1.8's sharded EmbeddingCollection "
+                         "fails on data-parallel tables (model.sequence=true); set "
+                         "model.sequence=false or give the tables another sharding type")

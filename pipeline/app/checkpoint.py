@@ -1,0 +1,395 @@
+"""Checkpoints that never lie: a run's checkpoint directory, its lock, saves and resume checks.
+
+Layout of ``trainer.checkpoint_dir``::
+
+    .lock              flock'd by rank 0 for the run's life (the OS releases it on kill -9)
+    latest             the step of the newest complete checkpoint (written atomically, last)
+    step_<N>/          DCP files and .metadata (every rank), then, by rank 0:
+        meta.json      step, world size, the config identity (:func:`identity`) and its hash
+        metrics.jsonl  the run's metrics rows up to step N (a resumed run continues them)
+        sha256sums     sha256 of every other file here (``sha256sum -c sha256sums`` checks it)
+
+A save is complete when ``sha256sums`` exists: it is written after the DCP save returned on every
+rank (``.metadata`` present), and ``latest`` moves only after it. So ``latest`` never names a
+partial checkpoint, whatever is killed when. Resume (:meth:`CheckpointDir.open`) refuses, with a
+:class:`CheckpointError` naming the problem and the fix, a missing/empty/garbage ``latest``, an
+incomplete or corrupt checkpoint, another config, ``steps`` not beyond the checkpoint, and (at
+load) a model or world size DCP cannot reshard to. A fresh run refuses a directory that already
+holds checkpoints unless ``trainer.overwrite=true``.
+
+Rank 0 alone reads and writes these files (the directory is shared, as DCP requires); every
+decision is broadcast, so all ranks raise the same error and none waits for another.
+
+DCP and empty optimizer state: torchrec's fused SGD has a state dict of empty dicts, one per
+table. DCP saves no key for an empty dict, and when a rank lacks some saved keys (another rank's
+table-wise tables) its loader falls back to the pre-2.4 flattening, which turns the empty dicts
+into a leaf key the checkpoint lacks ("Missing key in checkpoint state_dict: fused_optimizer").
+:func:`_tensor_branches` keeps only the branches that hold data, on save and load alike.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from recpipe.pipeline.app.config import TrainConfig, UsageError
+
+log = logging.getLogger(__name__)
+
+LATEST, LOCK, META, SUMS, HISTORY = "latest", ".lock", "meta.json", "sha256sums", "metrics.jsonl"
+#: tests only: the save of this step sleeps after the DCP save, before sha256sums and ``latest``
+PAUSE_ENV = "RECPIPE_TEST_PAUSE_BEFORE_LATEST"
+
+T = TypeVar("T")
+
+
+class CheckpointError(UsageError):
+    """A checkpoint directory that cannot be used as asked; the message says why and what to do."""
+
+
+def identity(cfg: TrainConfig) -> dict[str, Any]:
+    """The config keys a resumed run must share with its checkpoint: the model's and data's shape
+    and the training math (not steps, intervals, output paths, pipeline or hardware)."""
+    out = {f"model.{k}": v for k, v in asdict(cfg.model).items()}
+    out.update({f"data.{k}": v for k, v in asdict(cfg.data).items()})
+    out.update({f"trainer.{k}": getattr(cfg.trainer, k) for k in ("lr", "optimizer", "seed")})
+    return out
+
+
+def config_hash(ident: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a complete checkpoint records (``meta.json``)."""
+
+    path: str
+    step: int
+    world_size: int
+    config_hash: str
+    config: dict[str, Any]
+
+    def history(self) -> list[dict]:
+        """The run's metrics rows up to this checkpoint's step."""
+        with open(os.path.join(self.path, HISTORY)) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+class CheckpointDir:
+    """One run's checkpoint directory (see the module docstring). Use :meth:`open`."""
+
+    def __init__(self, path: str, cfg: TrainConfig) -> None:
+        self.path = path
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self._ident = identity(cfg)
+        self._keep = cfg.trainer.keep_checkpoints
+        self._lock: int | None = None
+        #: the checkpoint to resume from (``open(..., resume=True)``), else None
+        self.resume: Checkpoint | None = None
+
+    @classmethod
+    @contextmanager
+    def open(cls, path: str, cfg: TrainConfig) -> Iterator[CheckpointDir]:
+        """All ranks: lock ``path`` (rank 0) for the block and check it for ``cfg``: resume
+        (``trainer.resume``) needs a complete checkpoint of the same config before
+        ``trainer.steps``; a fresh run needs no checkpoints there (``trainer.overwrite=true``
+        deletes them). Raises :class:`CheckpointError` on every rank."""
+        self = cls(path, cfg)
+        try:
+            self.resume = _agree(lambda: self._prepare(cfg))
+            yield self
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)  # releases the flock
+
+    def _prepare(self, cfg: TrainConfig) -> Checkpoint | None:
+        t = cfg.trainer
+        if t.resume and not os.path.isdir(self.path):
+            raise CheckpointError(f"no checkpoint directory {self.path}: check "
+                                  "trainer.checkpoint_dir, or drop trainer.resume=true to start fresh")
+        os.makedirs(self.path, exist_ok=True)
+        self._acquire_lock()
+        if t.resume:
+            ckpt = self._verified(self._latest())
+            for key, value in (("trainer.steps", t.steps), ("trainer.stop_after", t.stop_after)):
+                if value is not None and value <= ckpt.step:
+                    raise CheckpointError(
+                        f"{key}={value} but {ckpt.path} is at step {ckpt.step}: pass {key} above "
+                        f"{ckpt.step} to train further (steps count from the run's start)")
+            return ckpt
+        steps = self._steps()
+        if steps or os.path.exists(os.path.join(self.path, LATEST)):
+            if not t.overwrite:
+                raise CheckpointError(
+                    f"{self.path} already holds checkpoints ({_names(steps)}): continue them with "
+                    "trainer.resume=true, start over with trainer.overwrite=true (deletes them), "
+                    "or use another trainer.checkpoint_dir")
+            self._remove_all(steps)
+        return None
+
+    def _acquire_lock(self) -> None:
+        lock = os.path.join(self.path, LOCK)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.path} is in use by another run ({owner}): wait for it to finish, or use "
+                "another trainer.checkpoint_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._lock = fd
+
+    def _steps(self) -> list[int]:
+        """Steps of the ``step_<N>`` directories, complete or not, ascending."""
+        return sorted(
+            int(name[5:]) for name in os.listdir(self.path)
+            if name.startswith("step_") and name[5:].isdigit()
+        )
+
+    def step_dir(self, step: int) -> str:
+        """Where step ``step`` is (or would be) saved."""
+        return os.path.join(self.path, f"step_{step}")
+
+    def _complete(self) -> list[int]:
+        return [s for s in self._steps() if os.path.exists(os.path.join(self.step_dir(s), SUMS))]
+
+    def _fix(self) -> str:
+        """What to do about an unusable ``latest``."""
+        complete = self._complete()
+        other = (f"write the step of a complete checkpoint ({_names(complete)}) into "
+                 f"{self.path}/latest, or " if complete else "")
+        return f"{other}start over: drop trainer.resume, add trainer.overwrite=true"
+
+    def _latest(self) -> int:
+        path = os.path.join(self.path, LATEST)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{self.path} has no 'latest' file (no complete checkpoint): "
+                                  f"{self._fix()}")
+        with open(path) as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            what = "is empty" if not text else f"holds {text[:40]!r}, not a step number"
+            raise CheckpointError(f"{path} {what}: {self._fix()}")
+        return int(text)
+
+    def _verified(self, step: int) -> Checkpoint:
+        """The complete, intact checkpoint of ``step`` with this run's config."""
+        d = self.step_dir(step)
+        for name, what in ((".metadata", "DCP's .metadata"), (SUMS, SUMS), (META, META)):
+            if not os.path.exists(os.path.join(d, name)):
+                raise CheckpointError(f"{d} is incomplete (no {what}): {self._fix()}")
+        bad = _sums_mismatch(d)
+        if bad:
+            raise CheckpointError(f"{d} is corrupt ({bad} does not match {SUMS}): {self._fix()}")
+        with open(os.path.join(d, META)) as f:
+            meta = json.load(f)
+        ckpt = Checkpoint(d, meta["step"], meta["world_size"], meta["config_hash"], meta["config"])
+        if ckpt.config_hash != config_hash(self._ident):
+            diffs = [f"{k}={ckpt.config.get(k)!r} there, {v!r} here"
+                     for k, v in self._ident.items() if ckpt.config.get(k) != v]
+            raise CheckpointError(
+                f"{d} is of another configuration ({'; '.join(diffs[:3]) or 'keys differ'}): "
+                "resume with the checkpoint's values, or train afresh in another "
+                "trainer.checkpoint_dir")
+        return ckpt
+
+    def _remove_all(self, steps: list[int]) -> None:
+        """Delete ``latest`` first (so it never names a deleted step), then the step dirs."""
+        latest = os.path.join(self.path, LATEST)
+        if os.path.exists(latest):
+            os.remove(latest)
+        for step in steps:
+            _remove_step(self.step_dir(step))
+        log.info("overwrite: deleted the checkpoints in %s", self.path)
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             history: list[dict]) -> None:
+        """All ranks: save step ``step`` (model, dense and fused optimizer state); rank 0 then
+        writes ``meta.json``, ``history`` (this run's rows up to ``step``), ``sha256sums`` and,
+        last, ``latest``; older checkpoints beyond ``keep_checkpoints`` go."""
+        d = self.step_dir(step)
+        if self.rank == 0 and os.path.exists(d):  # a save an earlier, killed run left unfinished
+            _remove_step(d)
+        dist.barrier()
+        dcp.save(_state(model, optimizer), checkpoint_id=d)
+        dist.barrier()  # every rank's files and the .metadata are written
+        if self.rank == 0:
+            if os.environ.get(PAUSE_ENV) == str(step):
+                time.sleep(3600)
+            self._seal(d, step, history)
+        dist.barrier()
+
+    def _seal(self, d: str, step: int, history: list[dict]) -> None:
+        if not os.path.exists(os.path.join(d, ".metadata")):
+            raise RuntimeError(f"{d}: DCP returned without writing .metadata")
+        meta = dict(step=step, world_size=self.world, config_hash=config_hash(self._ident),
+                    config=self._ident)
+        _write(os.path.join(d, META), json.dumps(meta, indent=1) + "\n")
+        _write(os.path.join(d, HISTORY), "".join(json.dumps(r) + "\n" for r in history))
+        sums = "".join(f"{_sha256(os.path.join(d, n))}  {n}\n" for n in sorted(os.listdir(d)))
+        _write(os.path.join(d, SUMS), sums)
+        _write(os.path.join(self.path, LATEST), str(step))
+        log.debug("checkpoint %s", d)
+        self._prune(step)
+
+    def _prune(self, latest: int) -> None:
+        """Keep the newest ``keep_checkpoints`` complete checkpoints up to ``latest`` and any
+        unfinished save beyond it (a later save of that step replaces it)."""
+        complete = self._complete()
+        keep = set(complete[-self._keep:] if self._keep else complete) | {latest}
+        for step in self._steps():
+            if step < latest and step not in keep:
+                _remove_step(self.step_dir(step))
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """All ranks: load :attr:`resume` into ``model`` and ``optimizer`` in place. DCP reshards
+        to this world size where it can; where it cannot (or the model's shapes differ) every
+        rank raises :class:`CheckpointError`."""
+        ckpt = self.resume
+        assert ckpt is not None, "load() needs open(..., resume=True)"
+        state = _state(model, optimizer)
+        try:
+            dcp.load(state, checkpoint_id=ckpt.path)
+        except Exception as e:  # DCP gathers every rank's failure and raises on all ranks
+            reason = _reason(e)
+            if ckpt.world_size != self.world:
+                raise CheckpointError(
+                    f"{ckpt.path} (world size {ckpt.world_size}) cannot be resharded to world "
+                    f"size {self.world} ({reason}): resume with {ckpt.world_size} ranks") from None
+            raise CheckpointError(f"{ckpt.path} does not fit this model ({reason}): resume with "
+                                  "the checkpoint's model and data config") from None
+        model.load_state_dict(_merged(model.state_dict(), state["model"]))
+        optimizer.load_state_dict(_merged(optimizer.state_dict(), state.get("optimizer", {})))
+        fused = model.fused_optimizer
+        fused.load_state_dict(_merged(fused.state_dict(), state.get("fused_optimizer", {})))
+        if ckpt.world_size != self.world:
+            log.info("resharded %s from world size %d to %d", ckpt.path, ckpt.world_size, self.world)
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint holds, without branches that hold no data (module docstring)."""
+    return _tensor_branches({
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "fused_optimizer": model.fused_optimizer.state_dict(),
+    })
+
+
+def _tensor_branches(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` without the mappings that are empty or hold only empty mappings."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            value = _tensor_branches(value)
+            if not value:
+                continue
+        out[key] = value
+    return out
+
+
+def _merged(full: dict[str, Any], loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """``full`` with the (nested) values of ``loaded`` written over it."""
+    for key, value in loaded.items():
+        if isinstance(value, Mapping) and isinstance(full.get(key), dict):
+            _merged(full[key], value)
+        else:
+            full[key] = value
+    return full
+
+
+def _agree(fn: Callable[[], T]) -> T:
+    """Rank 0 runs ``fn``; every rank returns its result or raises its CheckpointError (an
+    OSError, e.g. a directory not writable, becomes one)."""
+    outcome: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = fn()
+        except CheckpointError as e:
+            outcome[1] = str(e)
+        except OSError as e:
+            outcome[1] = f"checkpoint directory: {e}: fix it or use another trainer.checkpoint_dir"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise CheckpointError(outcome[1])
+    return outcome[0]
+
+
+def _names(steps: list[int]) -> str:
+    shown = [f"step_{s}" for s in steps[-3:]]
+    return ", ".join(shown if len(steps) <= 3 else ["...", *shown])
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sums_mismatch(d: str) -> str | None:
+    """The first file of ``d`` whose sha256 differs from ``sha256sums`` (or that is missing
+    from either side), else None."""
+    listed = {}
+    with open(os.path.join(d, SUMS)) as f:
+        for line in f:
+            digest, _, name = line.rstrip("\n").partition("  ")
+            if not name:
+                return SUMS  # garbled
+            listed[name] = digest
+    present = set(os.listdir(d)) - {SUMS}
+    for name in sorted(present | set(listed)):
+        if name not in listed or name not in present or _sha256(os.path.join(d, name)) != listed[name]:
+            return name
+    return None
+
+
+def _write(path: str, text: str) -> None:
+    """Atomically: a temporary file, fsync'd, renamed over ``path``, the directory fsync'd."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_step(d: str) -> None:
+    """Remove ``sha256sums`` first: a half-removed step directory is never taken as complete."""
+    sums = os.path.join(d, SUMS)
+    if os.path.exists(sums):
+        os.remove(sums)
+    shutil.rmtree(d)
+
+
+def _reason(e: BaseException) -> str:
+    """A (DCP) exception's message on one line: a CheckpointException's first rank's failure."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        e = next(iter(failures.values()))
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:200]

@@ -1,0 +1,93 @@
+"""Where the training job's batches come from: a :class:`DataSource` per ``data.schema``.
+
+- ``synthetic`` / ``criteo``: :class:`SyntheticSource`, Zipf ids and random labels
+  (:mod:`recpipe.pipeline.synthetic`); ``criteo`` is its 13-dense + 26-sparse layout.
+- ``movielens``: ``recpipe.pipeline.app.movielens.MovieLensSource``.
+- ``criteo_tsv``: ``recpipe.pipeline.app.criteo_tsv.CriteoTSVSource``.
+
+The real-data modules are imported only when their schema is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from recpipe.pipeline.app.config import TrainConfig
+from recpipe.pipeline.synthetic import Batch, ModelSpec, make_batch
+
+_PRIME = 1_000_003
+_EVAL_SEEDS = 1 << 62  # eval batch seeds start here: a range training seeds never reach
+
+
+class DataSource(Protocol):
+    """A data set as the trainer sees it. ``spec`` describes the model to build
+    (``build_sharded(spec, ...)``) and each rank's batch size."""
+
+    spec: ModelSpec
+
+    def train_batches(self, rank: int, world: int, start: int, stop: int) -> Iterator[Batch]:
+        """Rank ``rank``'s batches for global steps ``start .. stop-1``; batch ``s`` depends only
+        on (seed, rank, s), so a run resumed at step k sees what an uninterrupted run sees."""
+        ...
+
+    def eval_batches(self, rank: int, world: int) -> Iterator[Batch]:
+        """The held-out batches of ``rank``: finite, the same number on every rank."""
+        ...
+
+    def baseline(self) -> dict[str, float] | None:
+        """``{"auc", "logloss"}`` of a simple baseline on the eval part, or None."""
+        ...
+
+
+@dataclass
+class SyntheticSource:
+    """Zipf-id batches with random labels (AUC ~0.5 by construction): batch ``s`` of rank ``r``
+    is ``make_batch(spec, seed=(seed * P + r) * P + s)``, P = 1000003. ``eval_steps`` held-out
+    batches per rank come from seeds training never uses."""
+
+    spec: ModelSpec
+    seed: int
+    eval_steps: int = 4
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> SyntheticSource:
+        m, d = cfg.model, cfg.data
+        if d.schema == "criteo":  # 13 dense + 26 sparse features, one EmbeddingBagCollection
+            spec = ModelSpec(num_tables=26, rows=m.rows, dim=m.dim, dense_in=13,
+                             batch_size=d.batch_size, pooling=d.pooling, zipf=d.zipf,
+                             weighted=False, sequence=False)
+        else:
+            spec = ModelSpec(num_tables=m.num_tables, rows=m.rows, dim=m.dim, dense_in=d.dense_in,
+                             batch_size=d.batch_size, pooling=d.pooling, zipf=d.zipf,
+                             weighted=m.weighted, sequence=m.sequence)
+        return cls(spec, d.seed)
+
+    def _seed(self, rank: int, index: int) -> int:
+        return (self.seed * _PRIME + rank) * _PRIME + index
+
+    def train_batches(self, rank: int, world: int, start: int, stop: int) -> Iterator[Batch]:
+        for step in range(start, stop):
+            yield make_batch(self.spec, seed=self._seed(rank, step))
+
+    def eval_batches(self, rank: int, world: int) -> Iterator[Batch]:
+        for i in range(self.eval_steps):
+            yield make_batch(self.spec, seed=_EVAL_SEEDS + self._seed(rank, i))
+
+    def baseline(self) -> dict[str, float] | None:
+        return None
+
+
+def make_source(cfg: TrainConfig) -> DataSource:
+    """The data source of ``cfg.data.schema`` (validated by ``config.validate``)."""
+    schema = cfg.data.schema
+    if schema == "movielens":
+        from recpipe.pipeline.app.movielens import MovieLensSource
+
+        return MovieLensSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+    if schema == "criteo_tsv":
+        from recpipe.pipeline.app.criteo_tsv import CriteoTSVSource
+
+        return CriteoTSVSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+    return SyntheticSource.from_config(cfg)
