@@ -14,6 +14,7 @@ from recpipe.kjt.permute import (
     write_into,
 )
 from recpipe.kjt.redirect import as_type, redirecting_kjt_type
+from recpipe.kjt.storage import release_storage
 
 __all__ = [
     "Allocator",
@@ -28,5 +29,6 @@ __all__ = [
     "permute_kjt",
     "permute_spec",
     "redirecting_kjt_type",
+    "release_storage",
     "write_into",
 ]

@@ -27,9 +27,9 @@ class _CopyOn(TorchFunctionMode):
     """Inside: ``t.to(device, ...)`` of a host tensor allocates on the current stream and copies
     on ``stream``. Other calls run unchanged."""
 
-    def __init__(self, device: torch.device, stream: torch.Stream) -> None:
+    def __init__(self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor]) -> None:
         super().__init__()
-        self.device, self.stream = device, stream
+        self.device, self.stream, self.made = device, stream, made
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -39,6 +39,7 @@ class _CopyOn(TorchFunctionMode):
             self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
             with torch.cuda.stream(self.stream):
                 out.copy_(src, non_blocking=kwargs.get("non_blocking", False))
+            self.made.append(out)
             return out
         return func(*args, **kwargs)
 
@@ -59,7 +60,10 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def copy_batch(batch: T, device: torch.device, stream: torch.Stream) -> T:
+def copy_batch(
+    batch: T, device: torch.device, stream: torch.Stream | None,
+    made: list[torch.Tensor] | None = None,
+) -> T:
     """``batch.to(device, non_blocking=True)`` with every host-to-device copy on ``stream`` and
     every destination allocated on the current stream (the consumer).
 
@@ -67,6 +71,11 @@ def copy_batch(batch: T, device: torch.device, stream: torch.Stream) -> T:
     (``current_stream().wait_stream(stream)``), and needs no ``record_stream``: the memory belongs
     to the current stream, so freeing it there is ordered after the consumer's reads. Host
     tensors must stay valid until the copy ends (pinned memory: the host allocator tracks it).
+    ``made`` (if given) gets every tensor the copy allocated: what the caller owns, as opposed
+    to tensors that ``to`` returned as they were (already on ``device``).
+    ``stream=None`` (CPU pipelines): a plain ``batch.to(device, non_blocking=True)``.
     """
-    with _CopyOn(_indexed(torch.device(device)), stream):
+    if stream is None:
+        return batch.to(device, non_blocking=True)
+    with _CopyOn(_indexed(torch.device(device)), stream, [] if made is None else made):
         return batch.to(device, non_blocking=True)

@@ -28,14 +28,17 @@ from recpipe.kjt.permute import PermuteInto, Runner
 
 
 def redirecting_kjt_type(
-    permute_runner: Callable[[], Runner],
+    permute_runner: Callable[[], Runner | None],
     dist_init_runner: Callable[[], Runner],
     counts: Counter,
+    on_permute: Callable[[KeyedJaggedTensor], None] | None = None,
 ) -> type[KeyedJaggedTensor]:
     """A ``KeyedJaggedTensor`` subclass whose permutes go through runners.
 
     ``permute_runner()`` / ``dist_init_runner()`` are called on each ``permute`` (P1) /
-    ``dist_init`` (P2), on the caller's thread and stream, and return the runner for that call.
+    ``dist_init`` (P2), on the caller's thread and stream, and return the runner for that call
+    (``permute_runner() is None``: torchrec's permute as it is, no mode). ``on_permute(kjt)``
+    is called after each P1 with the KJT that was permuted (its input).
     ``counts["input_dist"]`` / ``counts["dist_init"]`` add the permutes redirected at each site;
     ``counts["seen"]`` the torch calls the mode saw (the interception's whole Python footprint).
     Results are plain ``KeyedJaggedTensor`` (torchrec constructs them), exactly torchrec's but
@@ -51,7 +54,14 @@ def redirecting_kjt_type(
         return out
 
     def permute(self: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> KeyedJaggedTensor:
-        return redirect("input_dist", permute_runner(), KeyedJaggedTensor.permute, self, *args, **kwargs)
+        run = permute_runner()
+        if run is None:
+            out = KeyedJaggedTensor.permute(self, *args, **kwargs)
+        else:
+            out = redirect("input_dist", run, KeyedJaggedTensor.permute, self, *args, **kwargs)
+        if on_permute is not None:
+            on_permute(self)
+        return out
 
     def dist_init(*args: Any, **kwargs: Any) -> KeyedJaggedTensor:
         return redirect("dist_init", dist_init_runner(), KeyedJaggedTensor.dist_init, *args, **kwargs)

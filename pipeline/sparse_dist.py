@@ -50,7 +50,14 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.kjt import Runner, as_type, redirecting_kjt_type, write_into
+from recpipe.kjt import (
+    Runner,
+    as_type,
+    copy_batch,
+    redirecting_kjt_type,
+    release_storage,
+    write_into,
+)
 from recpipe.pipeline.buffers import BufferRing, SideWrite, main_stream_allocator
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
@@ -88,6 +95,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     split_input_dist_permute: bool | None = None
     #: P1 into the ring: None (default) = at world size 1 only (see the module docstring).
     ring_feature_permute: bool | None = None
+    #: Copy each batch into main-stream memory on the memcpy stream (torchrec's
+    #: ``enable_inplace_copy_batch``, for any ``Pipelineable``: :func:`recpipe.kjt.copy_batch`),
+    #: so that no ``record_stream(main)`` holds a batch's memory past its last use. CUDA only.
+    inplace_copy_batch: bool = True
+    #: Free the storage of each input KJT that an input dist permuted (P1), once the batch's
+    #: input dists are queued: torchrec >= 1.7's ``free_features_storage_early``, on every
+    #: version, for the tensors of the pipeline's own copy only (``inplace_copy_batch``). Needs
+    #: a model whose forward reads the sparse features only through the pipelined (sharded)
+    #: modules, as torchrec's option does.
+    free_inputs_early: bool = True
 
     def __init__(
         self,
@@ -155,20 +172,59 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._redirect_dist_init = world > 1
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
         self._dist_init_runner: Runner = write_into(main_stream_allocator(main))  # P2's
+        if cuda and self.inplace_copy_batch:
+            self._enable_inplace_copy_batch = True  # torchrec's flag: no record_stream(main)
+        # only the pipeline's own copies are freed (CPU: .to() copies nothing)
+        self._free_inputs = cuda and self.free_inputs_early and self._enable_inplace_copy_batch
+        self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._kjt_type = redirecting_kjt_type(
-            lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.redirected
+            lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.redirected,
+            self._permuted_inputs.append if self._free_inputs else None,
         )
+        self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
+        self._copied: dict[int, set[int]] = {}  # batch index -> storages its copy allocated
 
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
         # from _pipeline_model); torchrec switches to data_dist inside.
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
-        if not self._use_ring or batch is None:
+        if batch is None or not (self._use_ring or self._free_inputs):
             return super().start_sparse_data_dist(batch, context)
-        self._input_dist_runner = self._ring_runner(context.index)
+        self._input_dist_runner = self._ring_runner(context.index) if self._use_ring else None
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
+        inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
+        if self.split_input_dist_permute:  # the side stream reads them: after its wait
+            self._releasable[context.index] = inputs
+        else:
+            self._release_inputs(context.index, inputs)
+
+    def _release_inputs(self, index: int, inputs: list[KeyedJaggedTensor]) -> None:
+        """Free the storage of batch ``index``'s P1 inputs that the pipeline's own copy made
+        (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
+        Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
+        recorded on the batch) or ordered before it (the split permute's side stream: data_dist
+        waited on it)."""
+        owned = self._copied.get(index, ())
+        for kjt in {id(k): k for k in inputs}.values():
+            self.redirected["inputs_freed_bytes"] += release_storage(kjt, owned)
+
+    def inplace_copy_batch_to_gpu(
+        self, dataloader_iter: Iterator[In]
+    ) -> tuple[In | None, TrainPipelineContext | None]:
+        """torchrec's, for any ``Pipelineable`` (no ``data_copy_stream`` argument needed): the
+        batch is allocated on main and copied on the memcpy stream (torchrec's
+        ``_wait_for_batch`` makes main wait on it before the forward)."""
+        context = self._create_context()
+        batch = self._next_batch(dataloader_iter)
+        if batch is not None:
+            made: list[torch.Tensor] = []
+            batch = copy_batch(batch, self._device, self._memcpy_stream, made)
+            self._copied[context.index] = {t.untyped_storage().data_ptr() for t in made}
+        elif not self._execute_all_batches:
+            raise StopIteration
+        return batch, context
 
     def _release_sent_inputs(self, context: TrainPipelineContext) -> None:
         """Give back what batch ``context``'s all-to-alls sent (the feature-permuted KJT, a
@@ -213,10 +269,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.split_input_dist_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
+            self._release_inputs(context.index, self._releasable.pop(context.index, []))
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
+        self._copied.pop(self.contexts[0].index, None)
         super().dequeue_batch()
 
     @property

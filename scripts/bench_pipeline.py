@@ -31,6 +31,8 @@ from itertools import cycle, islice
 import torch
 import torch.distributed as dist
 from torch.cuda import _sanitizer
+import torchrec
+from torchrec.distributed.train_pipeline import TrainPipelineBase
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 from torchrec.distributed.types import Awaitable
 
@@ -128,17 +130,45 @@ class _ScopedWait(Awaitable):
             return self._inner.wait()
 
 
-def _torchrec_early_free(*args, **kwargs):
-    """torchrec's own early-free option, where the installed torchrec has it (>= 1.8)."""
-    if "free_features_storage_early" not in inspect.signature(TorchrecPipeline).parameters:
-        raise SystemExit("torchrec_early_free: this torchrec has no free_features_storage_early")
-    return TorchrecPipeline(*args, free_features_storage_early=True, **kwargs)
+def _with_options(cls, **options):
+    """``cls`` with torchrec's pipeline options set, where the installed torchrec has them
+    (``free_features_storage_early``, ``clear_data_dist_inputs``: >= 1.7)."""
+    params = inspect.signature(TorchrecPipeline).parameters
+    missing = [k for k in options if k not in params]
 
+    def make(*args, **kwargs):
+        if missing:
+            raise SystemExit(f"this torchrec ({torchrec.__version__}) has no {', '.join(missing)}")
+        return cls(*args, **options, **kwargs)
+
+    return make
+
+
+class RecpipeNoInplace(RecpipePipeline):
+    inplace_copy_batch = False  # the batch copy allocated on memcpy, record_stream'd (torchrec's)
+
+
+class RecpipeNoEarlyFree(RecpipePipeline):
+    free_inputs_early = False  # each input KJT lives until its batch leaves the pipeline
+
+
+_EARLY_FREE = dict(free_features_storage_early=True)
+_LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
+             clear_data_dist_inputs=True)
 
 PIPELINES = {
     "torchrec": TorchrecPipeline,
-    "torchrec_early_free": _torchrec_early_free,
+    # the memory floor: no overlap, the input dist runs inside the forward, on main
+    "torchrec_base": TrainPipelineBase,
+    "torchrec_inplace": _with_options(TorchrecPipeline, enable_inplace_copy_batch=True),
+    "torchrec_early_free": _with_options(TorchrecPipeline, **_EARLY_FREE),
+    "torchrec_clear_inputs": _with_options(TorchrecPipeline, clear_data_dist_inputs=True),
+    "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),  # every memory option on
     "recpipe": RecpipePipeline,
+    "recpipe_no_inplace": RecpipeNoInplace,
+    "recpipe_no_early_free": RecpipeNoEarlyFree,
+    "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
+    "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
     "recpipe_ring3": RecpipeRing3,
     "recpipe_ring2": RecpipeRing2,
     "recpipe_ring": RecpipeRing,
@@ -224,6 +254,9 @@ def child(a: argparse.Namespace) -> None:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
+        if a.memory_cap_mib:  # the caching allocator refuses to reserve more (OOM past it)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(a.memory_cap_mib * 2**20 / total, device)
     dist.init_process_group(backend)
     spec = config(a)
     path = os.path.join(a.data_dir, f"{a.config}-b{spec.batch_size}-rank{rank}.pt")
@@ -264,6 +297,19 @@ def config(a: argparse.Namespace) -> ModelSpec:
     return replace(spec, batch_size=a.batch_size) if a.batch_size else spec
 
 
+def tax_removed(runs: dict[str, list[dict]]) -> dict[str, str]:
+    """Share of the pipelining tax (median peak reserved of torchrec's SparseDist pipeline minus
+    that of its unpipelined ``TrainPipelineBase``) that each pipeline removes; {} unless both
+    ran."""
+    if "torchrec" not in runs or "torchrec_base" not in runs:
+        return {}
+    res = {n: statistics.median(x["reserved"] for x in rs) for n, rs in runs.items()}
+    tax = res["torchrec"] - res["torchrec_base"]
+    if tax <= 0:
+        return {}
+    return {n: f"{100 * (res['torchrec'] - r) / tax:.0f}% of {tax:.0f} MiB" for n, r in res.items()}
+
+
 def fmt(xs: list[float], spec: str = ".0f") -> str:
     return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}-{max(xs):{spec}})"
 
@@ -277,9 +323,10 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
         f"(after {a.warmup} warm-up){', deterministic algorithms' if a.deterministic else ''}; "
         f"one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
         "| pipeline | ms/iter P50 | ms/iter P90 | samples/s | peak alloc MiB | peak reserved MiB | "
-        "alloc retries | alloc growth MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "pipelining tax removed | alloc retries | alloc growth MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    removed = tax_removed(runs)
     samples = config(a).batch_size * first["world"]  # per step, all ranks
     for name in names:
         rs = runs[name]
@@ -288,7 +335,8 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
         rows.append(
             f"| {name} | {fmt(p50, '.1f')} | {fmt(p90, '.1f')} | {fmt([samples * 1e3 / x for x in p50])} | "
             f"{fmt([x['alloc'] for x in rs])} | "
-            f"{fmt([x['reserved'] for x in rs])} | {max(x['retries'] for x in rs)} | "
+            f"{fmt([x['reserved'] for x in rs])} | {removed.get(name, '-')} | "
+            f"{max(x['retries'] for x in rs)} | "
             f"{fmt([x['growth'] for x in rs], '+.1f')} |"
         )
     ref = runs[names[0]][0]["losses"]
@@ -356,6 +404,8 @@ def main() -> None:
                         "on GPU configs where the default kernels sum in varying order; slower")
     p.add_argument("--plot", default=None, help="write a PNG of reserved memory per step here")
     p.add_argument("--replot", default=None, help="only re-plot a --json file into --plot")
+    p.add_argument("--memory-cap-mib", type=float, default=None,
+                   help="cap each process's GPU memory (set_per_process_memory_fraction)")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -373,7 +423,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                  if k in ("config", "sharding", "warmup", "steps", "distinct_batches", "data_dir")
-                 or (k in ("batch_size", "profile", "snapshot") and v)]
+                 or (k in ("batch_size", "profile", "snapshot", "memory_cap_mib") and v)]
     forwarded += ["--deterministic"] if a.deterministic else []
     for r in range(a.repeats):
         for name in names:
