@@ -62,7 +62,7 @@ def _init_distributed(backend: str) -> torch.device:
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
-        init = dict(store=store, rank=0, world_size=1)
+        init = {"store": store, "rank": 0, "world_size": 1}
     else:  # torchrun: its rendezvous
         init = {}
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -94,7 +94,10 @@ def _run(dcfg: DictConfig) -> list[dict]:
     cfg = OmegaConf.to_object(dcfg)
     validate(cfg)
     device = _init_distributed(cfg.hardware.backend)
-    from recpipe.pipeline.app.trainer import TrainingInterrupted, train  # torchrec: once valid
+    from recpipe.pipeline.app.trainer import (  # torchrec: once valid
+        TrainingInterrupted,
+        train,
+    )
 
     try:
         return train(cfg, device)

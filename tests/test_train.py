@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recpipe.pipeline.app.config import register, validate
+from recpipe.pipeline.app.config import UsageError, register, validate
 from recpipe.pipeline.app.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,13 +31,25 @@ def config(*overrides: str):
     return cfg
 
 
+@contextmanager
+def one_rank() -> Iterator[torch.device]:
+    """A one-rank gloo group in this process, on one CPU thread as the subprocesses here
+    (``OMP_NUM_THREADS=1``: several test workers share the cores; thread pools that wait for
+    each other's descheduled threads train 20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
-def gloo(monkeypatch: pytest.MonkeyPatch):
-    """A one-rank gloo group in this process."""
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield torch.device("cpu")
-    dist.destroy_process_group()
+def gloo() -> Iterator[torch.device]:
+    with one_rank() as device:
+        yield device
 
 
 def losses(rows: list[dict]) -> list[tuple]:
@@ -76,31 +91,47 @@ def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.stepz=3", "Key 'stepz' not in 'TrainerConfig'"),
-        ("trainer.steps=0", "trainer.steps=0: must be > 0"),
-        ("trainer.optimizer=adam", "trainer.optimizer='adam': expected one of sgd, adagrad"),
-        ("sharding.types=[diagonal]", "sharding.types='diagonal'"),
-        ("trainer.lr=fast", "trainer.lr"),
-        ("pipeline.dense_allreduce=symm_mem", "pipeline.dense_allreduce=symm_mem needs hardware=cuda"),
+        ("trainer.stepz=3", "Key 'stepz' not in 'TrainerConfig'"),  # Hydra's
+        ("trainer.lr=fast", "trainer.lr"),  # Hydra's
+        ("trainer.steps=0", "error: trainer.steps=0: must be > 0"),
+        ("trainer.optimizer=adam", "error: trainer.optimizer='adam': expected one of sgd, adagrad"),
+        ("sharding.types=[diagonal]", "error: sharding.types='diagonal'"),
+        ("pipeline.dense_allreduce=symm_mem", "error: pipeline.dense_allreduce=symm_mem needs hardware=cuda"),
         ("trainer.lr=inf", "error: trainer.lr=inf: must be finite, > 0 and <= 100"),
-        ("trainer.lr=1e6", "error: trainer.lr=1000000.0: must be finite, > 0 and <= 100"),
-        ("data.zipf=nan", "error: data.zipf=nan: must be finite, > 0"),
-        ("trainer.stop_after=-3", "error: trainer.stop_after=-3: must be > 0"),
-        ("sharding=row_wise", "error: sharding.types=row_wise: torchrec has no CPU kernel"),
-        ("sharding.types=[table_row_wise]", "error: sharding.types=table_row_wise: torchrec has no CPU"),
-        ("sharding.types=[data_parallel]", "error: sharding.types=data_parallel: torchrec 1.8's"),
-        pytest.param("hardware=cuda", "error: hardware=cuda: 1 rank(s) on this host but 0 CUDA GPU(s)",
-                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
-        ("trainer.resume=true", "error: trainer.resume=true needs trainer.checkpoint_dir=DIR"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, override: str, message: str) -> None:
     r = _run([str(ROOT / "scripts/train.py"), override, f"output_dir={tmp_path}"], tmp_path)
     assert r.returncode != 0
     assert message in r.stdout + r.stderr
-    if message.startswith("error: "):  # ours (Hydra reports the first two): one line, no traceback
+    if message.startswith("error: "):  # ours: one line, no traceback
         assert (r.stdout + r.stderr).splitlines() == [r.stderr.strip()]
     assert not any(tmp_path.iterdir())  # failed before making a run directory
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.lr=1e6", "trainer.lr=1000000.0: must be finite, > 0 and <= 100"),
+        ("trainer.lr=nan", "trainer.lr=nan: must be finite"),
+        ("data.zipf=nan", "data.zipf=nan: must be finite, > 0"),
+        ("data.zipf=0", "data.zipf=0.0: must be finite, > 0"),
+        ("trainer.stop_after=-3", "trainer.stop_after=-3: must be > 0"),
+        ("sharding=row_wise", "sharding.types=row_wise: torchrec has no CPU kernel for row-wise "
+                              "sharding; use hardware=cuda"),
+        ("sharding.types=[table_wise,table_row_wise]", "sharding.types=table_row_wise: torchrec has no CPU"),
+        ("sharding.types=[data_parallel]", "sharding.types=data_parallel: torchrec 1.8's sharded "
+                                           "EmbeddingCollection fails on data-parallel tables"),
+        pytest.param("hardware=cuda", "hardware=cuda: 1 rank(s) on this host but 0 CUDA GPU(s) visible",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
+        ("trainer.resume=true", "trainer.resume=true needs trainer.checkpoint_dir=DIR"),
+        ("data.schema=criteo_tsv", "data.schema=criteo_tsv needs data.path="),
+    ],
+)
+def test_values_and_options_this_machine_cannot_run_are_refused(override: str, message: str) -> None:
+    """Before torchrec is called (scripts/train.py prints these as the ``error:`` lines above)."""
+    with pytest.raises(UsageError, match=re.escape(message)):
+        config(override)
 
 
 def test_torchrun_two_ranks_both_pipelines_agree(tmp_path: Path) -> None:

@@ -172,9 +172,9 @@ class CheckpointDir:
     def _complete(self) -> list[int]:
         return [s for s in self._steps() if os.path.exists(os.path.join(self.step_dir(s), SUMS))]
 
-    def _fix(self) -> str:
-        """What to do about an unusable ``latest``."""
-        complete = self._complete()
+    def _fix(self, broken: int | None = None) -> str:
+        """What to do about an unusable ``latest`` (naming step ``broken``)."""
+        complete = [s for s in self._complete() if s != broken]
         other = (f"write the step of a complete checkpoint ({_names(complete)}) into "
                  f"{self.path}/latest, or " if complete else "")
         return f"{other}start over: drop trainer.resume, add trainer.overwrite=true"
@@ -194,12 +194,15 @@ class CheckpointDir:
     def _verified(self, step: int) -> Checkpoint:
         """The complete, intact checkpoint of ``step`` with this run's config."""
         d = self.step_dir(step)
+        if not os.path.isdir(d):
+            raise CheckpointError(f"{self.path}/latest names step {step} but {d} does not exist: "
+                                  f"{self._fix(step)}")
         for name, what in ((".metadata", "DCP's .metadata"), (SUMS, SUMS), (META, META)):
             if not os.path.exists(os.path.join(d, name)):
-                raise CheckpointError(f"{d} is incomplete (no {what}): {self._fix()}")
+                raise CheckpointError(f"{d} is incomplete (no {what}): {self._fix(step)}")
         bad = _sums_mismatch(d)
         if bad:
-            raise CheckpointError(f"{d} is corrupt ({bad} does not match {SUMS}): {self._fix()}")
+            raise CheckpointError(f"{d} is corrupt ({bad} does not match {SUMS}): {self._fix(step)}")
         with open(os.path.join(d, META)) as f:
             meta = json.load(f)
         ckpt = Checkpoint(d, meta["step"], meta["world_size"], meta["config_hash"], meta["config"])
@@ -241,8 +244,8 @@ class CheckpointDir:
     def _seal(self, d: str, step: int, history: list[dict]) -> None:
         if not os.path.exists(os.path.join(d, ".metadata")):
             raise RuntimeError(f"{d}: DCP returned without writing .metadata")
-        meta = dict(step=step, world_size=self.world, config_hash=config_hash(self._ident),
-                    config=self._ident)
+        meta = {"step": step, "world_size": self.world, "config_hash": config_hash(self._ident),
+                    "config": self._ident}
         _write(os.path.join(d, META), json.dumps(meta, indent=1) + "\n")
         _write(os.path.join(d, HISTORY), "".join(json.dumps(r) + "\n" for r in history))
         sums = "".join(f"{_sha256(os.path.join(d, n))}  {n}\n" for n in sorted(os.listdir(d)))

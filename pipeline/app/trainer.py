@@ -35,7 +35,6 @@ from tqdm import tqdm
 from recpipe.pipeline.app.checkpoint import CheckpointDir
 from recpipe.pipeline.app.config import TrainConfig, UsageError, save_yaml
 from recpipe.pipeline.app.data import DataSource, make_source
-from recpipe.pipeline.data_parallel import BucketedAllReduce
 from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist as RecpipePipeline
 from recpipe.pipeline.synthetic import build_sharded, deterministic_kernels
 
@@ -141,12 +140,14 @@ class _Trainer:
         allreduce = cfg.pipeline.dense_allreduce
         if allreduce == "auto":
             allreduce = "symm_mem" if device.type == "cuda" and self.world > 1 else "nccl"
+        data_parallel = None  # torchrec's DDP
+        if allreduce != "ddp":  # imported here: it loads inductor (2 s), for these runs only
+            from recpipe.pipeline.data_parallel import BucketedAllReduce
+
+            data_parallel = BucketedAllReduce(compile=True, symm_mem=allreduce == "symm_mem")
         self.model, self.optimizer = build_sharded(
             self.source.spec, list(cfg.sharding.types), device, dist.group.WORLD, lr=t.lr,
-            seed=t.seed, optimizer=t.optimizer,
-            data_parallel=None if allreduce == "ddp" else BucketedAllReduce(
-                compile=True, symm_mem=allreduce == "symm_mem"
-            ),
+            seed=t.seed, optimizer=t.optimizer, data_parallel=data_parallel,
         )
         resume = ckpt.resume if ckpt else None
         self.start = self.saved = resume.step if resume else 0
@@ -184,9 +185,9 @@ class _Trainer:
                     stacked = torch.stack(losses)  # one sync per interval
                     bad = None if torch.isfinite(stacked).all() else stacked
                     elapsed = time.perf_counter() - t0
-                    row = dict(step=step, loss=stacked.mean().item(), auc=auroc.compute().item(),
-                               samples_per_s=self.source.spec.batch_size * self.world * (step - s0) / elapsed,
-                               last_loss=losses[-1].item())
+                    row = {"step": step, "loss": stacked.mean().item(), "auc": auroc.compute().item(),
+                               "samples_per_s": self.source.spec.batch_size * self.world * (step - s0) / elapsed,
+                               "last_loss": losses[-1].item()}
                     self._record(row, rows)
                     bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
                     auroc.reset()
@@ -246,10 +247,13 @@ class _Trainer:
             x = torch.tensor([first])
             dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.control)
             first = int(x)
-        kept = f"the last checkpoint, step {self.saved}, is kept" if self.saved else "nothing was saved"
-        raise NonFiniteError(f"the loss became non-finite at step {first} (trainer.lr="
-                             f"{self.cfg.trainer.lr:g}): training diverged; {kept}; lower "
-                             "trainer.lr and train again")
+        raise self._diverged("the loss", first)
+
+    def _diverged(self, what: str, step: int) -> NonFiniteError:
+        kept = f"the last checkpoint, step {self.saved}, is kept" if self.saved else "nothing saved"
+        return NonFiniteError(f"{what} became non-finite at step {step} (trainer.lr="
+                              f"{self.cfg.trainer.lr:g}): training diverged, {kept}; lower "
+                              "trainer.lr and train again")
 
     def _save(self, step: int, pending: list[torch.Tensor]) -> None:
         """All ranks: checkpoint ``step`` unless saved already, after checking that the losses
@@ -261,11 +265,7 @@ class _Trainer:
         if self.control is not None:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.control)
         if not int(ok):
-            raise NonFiniteError(
-                f"the weights or losses are not finite at step {step} (trainer.lr="
-                f"{self.cfg.trainer.lr:g}); not saved"
-                + (f", the last checkpoint is step {self.saved}" if self.saved else "")
-                + ": lower trainer.lr and train again")
+            raise self._diverged("the weights or the loss", step)
         self.ckpt.save(step, self.model, self.optimizer, self.history)
         self.saved, self.last_save = step, time.monotonic()
 
@@ -291,7 +291,7 @@ class _Trainer:
             pipeline.attach(model, sparse_dist=False)
         if self.world > 1:
             dist.all_reduce(sums)
-        row = dict(step=step, eval_auc=auroc.compute().item(), eval_logloss=(sums[0] / sums[1]).item())
+        row = {"step": step, "eval_auc": auroc.compute().item(), "eval_logloss": (sums[0] / sums[1]).item()}
         self._record(row, rows)
         return row
 

@@ -1,0 +1,119 @@
+"""scripts/train.py as users run it: SIGINT/SIGTERM save and say how to resume (on 2 ranks too,
+every rank stopping at one step), and every checkpoint directory it refuses gets one line, a
+non-zero exit and an untouched ``latest``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_checkpoint import RUN, _history, _sums_ok, latest_state, made, refusal  # noqa: F401 (made)
+from test_train import ROOT, config, gloo, losses  # noqa: F401 (gloo: a fixture)
+
+from recpipe.pipeline.app.trainer import train
+
+SCRIPT = str(ROOT / "scripts/train.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _popen(args: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV, **kwargs)
+
+
+def test_sigint_finishes_the_step_saves_and_prints_how_to_resume(gloo, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    run = ["trainer.steps=150", "trainer.log_interval=1", "trainer.eval=false",
+           f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"]
+    p = _popen([sys.executable, SCRIPT, *run], cwd=tmp_path)
+    first = p.stderr.readline()
+    assert first.startswith("run dir: "), first + p.communicate()[1]
+    time.sleep(0.3)  # a few steps
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert (out + err).splitlines() == [err.strip()]  # one line, no traceback
+    m = re.fullmatch(r"interrupted \(SIGINT\) after step (\d+): checkpoint (\S+); resume with: (.+)",
+                     err.strip())
+    assert m, err
+    step = int(m[1])
+    assert 0 < step < 150 and m[2] == str(ck / f"step_{step}")
+    assert (ck / "latest").read_text() == str(step) and _sums_ok(ck / f"step_{step}")
+    command = shlex.split(m[3])
+    assert command[:2] == ["python", SCRIPT] and command[-1] == "trainer.resume=true"
+    r = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    reference = train(config(*run[:3], "trainer.checkpoint=false"), gloo, str(tmp_path / "ref"))
+    assert _history(ck) == losses(reference)
+
+
+def _rank_pid(parent: int, rank: int) -> int:
+    """The pid of torchrun worker ``rank`` (a child of ``parent``)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} under {parent}")
+
+
+def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", SCRIPT,
+         "trainer.steps=5000", "trainer.log_interval=10", "trainer.eval=false",
+         f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("run dir: "):
+            break
+    else:
+        raise AssertionError("".join(seen))
+    time.sleep(0.5)
+    os.kill(_rank_pid(p.pid, 1), signal.SIGTERM)  # rank 1 only: rank 0 must stop with it
+    output = "".join(seen) + p.communicate(timeout=120)[0]
+    ours = [x for x in output.splitlines() if x.startswith("interrupted")]
+    assert len(ours) == 1, output
+    step = int(re.match(r"interrupted \(SIGTERM\) after step (\d+): checkpoint ", ours[0])[1])
+    assert f"resume with: torchrun --nproc-per-node=2 {SCRIPT} " in ours[0]
+    assert f'File "{ROOT}' not in output  # no traceback from our code, on any rank
+    d = ck / f"step_{step}"
+    assert (ck / "latest").read_text() == str(step) and _sums_ok(d)
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {x.name for x in d.iterdir()}  # both ranks saved
+    assert json.loads((d / "meta.json").read_text())["world_size"] == 2
+
+
+# refused: one line, exit status 1, `latest` as it was (every case in-process: test_checkpoint)
+
+
+@pytest.mark.parametrize("case", ["corrupt", "in use"])
+def test_refused_with_one_line_exit_1_and_latest_untouched(made: Path, tmp_path: Path, case: str) -> None:
+    ck, overrides, message, release = refusal(made, tmp_path, case)
+    before = latest_state(ck)
+    try:
+        r = subprocess.run(
+            [sys.executable, SCRIPT, *RUN, *overrides, f"trainer.checkpoint_dir={ck}",
+             f"output_dir={tmp_path / 'out'}"],
+            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+        )
+    finally:
+        release()
+    assert r.returncode == 1
+    assert (r.stdout + r.stderr).splitlines() == [r.stderr.strip()], r.stderr  # one line
+    assert r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+    assert latest_state(ck) == before and not (tmp_path / "out").exists()
