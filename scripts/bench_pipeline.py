@@ -163,6 +163,7 @@ PIPELINES = {
     "torchrec_inplace": _with_options(TorchrecPipeline, enable_inplace_copy_batch=True),
     "torchrec_early_free": _with_options(TorchrecPipeline, **_EARLY_FREE),
     "torchrec_clear_inputs": _with_options(TorchrecPipeline, clear_data_dist_inputs=True),
+    "torchrec_free_clear": _with_options(TorchrecPipeline, **_EARLY_FREE, clear_data_dist_inputs=True),
     "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),  # every memory option on
     "recpipe": RecpipePipeline,
     "recpipe_no_inplace": RecpipeNoInplace,
