@@ -46,19 +46,28 @@ KNOWN_WARNINGS = (
 
 
 def _console(rank: int) -> None:
-    """recpipe's messages on stderr, bare, from rank 0 only; torchrec's known warnings off."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.disabled = False  # Hydra's job_logging=disabled turned off the loggers made before the job
+    """recpipe's messages on stderr, bare, from rank 0 only; torchrec's known warnings off.
+    Once per job: Hydra's job_logging=disabled turns off every logger that exists when a job
+    starts (a multirun's second job finds recpipe's)."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and (name + ".").startswith("recpipe."):
+            logger.disabled = False
     log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    log.propagate = False
     for module, message in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
 
 
+#: launched by torchrun (else one process; read before the first job sets RANK for itself)
+TORCHRUN = "RANK" in os.environ
+
+
 def _init_distributed(backend: str) -> torch.device:
-    if "RANK" not in os.environ:  # plain `python scripts/train.py`: one process, a free port
+    if not TORCHRUN:  # plain `python scripts/train.py`: one process, a free port
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from recpipe.pipeline.app.config import TrainConfig
+from recpipe.pipeline.app.config import TrainConfig, UsageError
 from recpipe.pipeline.synthetic import Batch, ModelSpec, make_batch
 
 _PRIME = 1_000_003
@@ -80,14 +80,18 @@ class SyntheticSource:
 
 
 def make_source(cfg: TrainConfig) -> DataSource:
-    """The data source of ``cfg.data.schema`` (validated by ``config.validate``)."""
+    """The data source of ``cfg.data.schema`` (validated by ``config.validate``); a data file
+    that is not there raises :class:`~.config.UsageError` with the source's message."""
     schema = cfg.data.schema
-    if schema == "movielens":
-        from recpipe.pipeline.app.movielens import MovieLensSource
+    try:
+        if schema == "movielens":
+            from recpipe.pipeline.app.movielens import MovieLensSource
 
-        return MovieLensSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
-    if schema == "criteo_tsv":
-        from recpipe.pipeline.app.criteo_tsv import CriteoTSVSource
+            return MovieLensSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+        if schema == "criteo_tsv":
+            from recpipe.pipeline.app.criteo_tsv import CriteoTSVSource
 
-        return CriteoTSVSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+            return CriteoTSVSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+    except FileNotFoundError as e:
+        raise UsageError(f"data.schema={schema}: {e}") from None
     return SyntheticSource.from_config(cfg)

@@ -173,26 +173,16 @@ class _Trainer:
         rows, losses, final_eval = [], [], None
         bar = tqdm(total=t.steps, initial=self.start, disable=None if self.rank == 0 else True,
                    desc=self.cfg.pipeline.name, unit="step")  # None: off when not a terminal
-        t0, s0 = time.perf_counter(), self.start
+        self._clock = (time.perf_counter(), self.start)
         try:
             for step in range(self.start + 1, stop + 1):  # step: steps done after this one
                 loss, logits, labels = pipeline.progress(it)
                 auroc.update(logits, labels.long())
                 losses.append(loss)
                 bar.update(1)
-                bad = None  # this rank's losses since the last log, if one is not finite
+                bad = None
                 if step % t.log_interval == 0 or step == stop:
-                    stacked = torch.stack(losses)  # one sync per interval
-                    bad = None if torch.isfinite(stacked).all() else stacked
-                    elapsed = time.perf_counter() - t0
-                    row = {"step": step, "loss": stacked.mean().item(), "auc": auroc.compute().item(),
-                               "samples_per_s": self.source.spec.batch_size * self.world * (step - s0) / elapsed,
-                               "last_loss": losses[-1].item()}
-                    self._record(row, rows)
-                    bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
-                    auroc.reset()
-                    losses.clear()
-                    t0, s0 = time.perf_counter(), step
+                    bad = self._log(step, losses, auroc, rows, bar)
                 interrupted, due = self._decide(step, bad)
                 evaluate = t.eval and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0))
                 if evaluate:
@@ -200,7 +190,7 @@ class _Trainer:
                 if self.ckpt and (due or interrupted or step == stop):
                     self._save(step, losses)
                 if evaluate or due:
-                    t0, s0 = time.perf_counter(), step  # samples/s: training time only
+                    self._clock = (time.perf_counter(), step)  # samples/s: training time only
                 if interrupted and step < stop:
                     raise TrainingInterrupted(
                         interrupted, step, self.ckpt and self.ckpt.step_dir(step),
@@ -210,6 +200,23 @@ class _Trainer:
         if final_eval and final_eval["step"] == t.steps:
             self._log_eval(final_eval)
         return rows
+
+    def _log(self, step: int, losses: list[torch.Tensor], auroc: BinaryAUROC, rows: list[dict],
+             bar: tqdm) -> torch.Tensor | None:
+        """Log the interval ending at ``step`` (one host sync) and start the next; returns this
+        rank's interval losses if one of them is not finite, else None."""
+        stacked = torch.stack(losses)
+        t0, s0 = self._clock
+        row = {"step": step, "loss": stacked.mean().item(), "auc": auroc.compute().item(),
+               "samples_per_s": self.source.spec.batch_size * self.world * (step - s0)
+               / (time.perf_counter() - t0),
+               "last_loss": losses[-1].item()}
+        self._record(row, rows)
+        bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
+        auroc.reset()
+        losses.clear()
+        self._clock = (time.perf_counter(), step)
+        return None if torch.isfinite(stacked).all() else stacked
 
     def _record(self, row: dict, rows: list[dict]) -> None:
         """Rank 0: append ``row`` to metrics.jsonl, this run's rows and the history."""
