@@ -4,6 +4,7 @@ checkpoint directory keeps, and every directory resume or a fresh run refuses.""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -18,11 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from dist_utils import run_ranks
 from test_train import ROOT, config, gloo, losses, one_rank  # noqa: F401 (gloo: a fixture)
 
-from recpipe.pipeline.app.checkpoint import PAUSE_ENV, CheckpointError
+from recpipe.pipeline.app.checkpoint import PAUSE_ENV, CheckpointDir, CheckpointError
+from recpipe.pipeline.app.data import SyntheticSource
 from recpipe.pipeline.app.trainer import NonFiniteError, train
+from recpipe.pipeline.synthetic import build_sharded
 
 SHORT = ("trainer.steps=20", "trainer.log_interval=5")
 
@@ -230,3 +234,20 @@ def test_refused_naming_the_problem_and_the_fix(gloo, made: Path, tmp_path: Path
         release()
     assert message in str(e.value) and "\n" not in str(e.value)
     assert latest_state(ck) == before and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_at_load(gloo, made: Path, tmp_path: Path) -> None:
+    """Shapes that only the data decide (a real data set's row counts) or a world size DCP cannot
+    reshard to: DCP's error, on one line, with what to do."""
+    ck = tmp_path / "ck"
+    shutil.copytree(made, ck)
+    spec = SyntheticSource.from_config(config(*RUN, "model.dim=8")).spec
+    model, optimizer = build_sharded(spec, ["table_wise"], gloo, dist.group.WORLD)
+    resume = config(*RUN, *RESUME, "trainer.steps=30", f"trainer.checkpoint_dir={ck}")
+    with CheckpointDir.open(str(ck), resume) as d:
+        with pytest.raises(CheckpointError, match=r"step_20 does not fit this model \(Size mismatch"):
+            d.load(model, optimizer)
+        d.resume = dataclasses.replace(d.resume, world_size=2)
+        with pytest.raises(CheckpointError, match=r"\(world size 2\) cannot be resharded to world "
+                                                  r"size 1 \(Size mismatch.*\): resume with 2 ranks$"):
+            d.load(model, optimizer)

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from recpipe.pipeline.app.config import TrainConfig, UsageError
 
@@ -272,7 +273,7 @@ class CheckpointDir:
         state = _state(model, optimizer)
         try:
             dcp.load(state, checkpoint_id=ckpt.path)
-        except Exception as e:  # DCP gathers every rank's failure and raises on all ranks
+        except (Exception, CheckpointException) as e:  # DCP: every rank's failures, on all ranks
             reason = _reason(e)
             if ckpt.world_size != self.world:
                 raise CheckpointError(
@@ -390,9 +391,8 @@ def _remove_step(d: str) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    """A (DCP) exception's message on one line: a CheckpointException's first rank's failure."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, Mapping) and failures:
-        e = next(iter(failures.values()))
+    """A (DCP) exception's message on one line: a CheckpointException's first rank's error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]  # (exception, traceback)
     lines = str(e).strip().splitlines()
     return (lines[0] if lines else type(e).__name__)[:200]

@@ -80,18 +80,19 @@ class SyntheticSource:
 
 
 def make_source(cfg: TrainConfig) -> DataSource:
-    """The data source of ``cfg.data.schema`` (validated by ``config.validate``); a data file
-    that is not there raises :class:`~.config.UsageError` with the source's message."""
+    """The data source of ``cfg.data.schema`` (validated by ``config.validate``). ``data.seed``
+    orders every source's batches (``trainer.seed`` initializes the model). A data file that
+    is not there raises :class:`~.config.UsageError` with the source's message."""
     schema = cfg.data.schema
     try:
         if schema == "movielens":
             from recpipe.pipeline.app.movielens import MovieLensSource
 
-            return MovieLensSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+            return MovieLensSource.from_config(cfg.data, cfg.model, cfg.data.seed)
         if schema == "criteo_tsv":
             from recpipe.pipeline.app.criteo_tsv import CriteoTSVSource
 
-            return CriteoTSVSource.from_config(cfg.data, cfg.model, cfg.trainer.seed)
+            return CriteoTSVSource.from_config(cfg.data, cfg.model, cfg.data.seed)
     except FileNotFoundError as e:
         raise UsageError(f"data.schema={schema}: {e}") from None
     return SyntheticSource.from_config(cfg)
