@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -195,7 +196,7 @@ class Model(nn.Module):
         self.dense_arch = nn.Sequential(nn.Linear(spec.dense_in, spec.dim), nn.ReLU()).to(device)
         widths = [spec.width() + spec.dim, *spec.over_arch]
         layers: list[nn.Module] = []
-        for a, b in zip(widths, widths[1:]):
+        for a, b in pairwise(widths):
             layers += [nn.Linear(a, b), nn.ReLU()]
         self.over_arch = nn.Sequential(*layers, nn.Linear(widths[-1], 1)).to(device)
 

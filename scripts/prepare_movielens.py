@@ -51,7 +51,7 @@ class PrepareError(Exception):
 
 def _pip(*args: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pip", "-q", "--disable-pip-version-check", *args],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, check=False)
     if r.returncode:
         last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise PrepareError(f"pip {args[0]} failed ({last}); check the network or the pip index "

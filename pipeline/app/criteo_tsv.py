@@ -134,7 +134,6 @@ class CriteoTSVSource:
 
     def baseline(self) -> None:
         """No baseline for Criteo."""
-        return None
 
     def _batch(self, rows: list[list[str]]) -> Batch:
         for row in rows:
