@@ -138,9 +138,9 @@ class CheckpointDir:
         if steps or os.path.exists(os.path.join(self.path, LATEST)):
             if not t.overwrite:
                 raise CheckpointError(
-                    f"{self.path} already holds checkpoints ({_names(steps)}): continue them with "
-                    "trainer.resume=true, start over with trainer.overwrite=true (deletes them), "
-                    "or use another trainer.checkpoint_dir")
+                    f"{self.path} already holds checkpoints ({_names(steps) or LATEST}): continue "
+                    "them with trainer.resume=true, start over with trainer.overwrite=true "
+                    "(deletes them), or use another trainer.checkpoint_dir")
             self._remove_all(steps)
         return None
 
@@ -204,9 +204,12 @@ class CheckpointDir:
         bad = _sums_mismatch(d)
         if bad:
             raise CheckpointError(f"{d} is corrupt ({bad} does not match {SUMS}): {self._fix(step)}")
-        with open(os.path.join(d, META)) as f:
-            meta = json.load(f)
-        ckpt = Checkpoint(d, meta["step"], meta["world_size"], meta["config_hash"], meta["config"])
+        try:
+            with open(os.path.join(d, META)) as f:
+                meta = json.load(f)
+            ckpt = Checkpoint(d, meta["step"], meta["world_size"], meta["config_hash"], meta["config"])
+        except (ValueError, KeyError, TypeError) as e:  # sha256sums rewritten to match
+            raise CheckpointError(f"{d}/{META} is unreadable ({e!r}): {self._fix(step)}") from None
         if ckpt.config_hash != config_hash(self._ident):
             diffs = [f"{k}={ckpt.config.get(k)!r} there, {v!r} here"
                      for k, v in self._ident.items() if ckpt.config.get(k) != v]
