@@ -24,24 +24,29 @@ T = TypeVar("T")
 
 
 class _CopyOn(TorchFunctionMode):
-    """Inside: ``t.to(device, ...)`` of a host tensor allocates on the current stream and copies
-    on ``stream``. Other calls run unchanged."""
+    """Inside: ``t.to(device, ...)`` of a host tensor is recorded in ``made``; with ``inplace``
+    it allocates on the current stream and copies on ``stream``. Other calls run unchanged."""
 
-    def __init__(self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor]) -> None:
+    def __init__(
+        self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor], inplace: bool
+    ) -> None:
         super().__init__()
-        self.device, self.stream, self.made = device, stream, made
+        self.device, self.stream, self.made, self.inplace = device, stream, made, inplace
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.to and self._is_host_to_device(args, kwargs):
+        if func is not torch.Tensor.to or not self._is_host_to_device(args, kwargs):
+            return func(*args, **kwargs)
+        if self.inplace:
             src = args[0]
             out = torch.empty_like(src, device=self.device)  # on the current stream
             self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
             with torch.cuda.stream(self.stream):
                 out.copy_(src, non_blocking=kwargs.get("non_blocking", False))
-            self.made.append(out)
-            return out
-        return func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.made.append(out)
+        return out
 
     def _is_host_to_device(self, args: tuple, kwargs: dict) -> bool:
         if not args or not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
@@ -62,20 +67,24 @@ def _indexed(device: torch.device) -> torch.device:
 
 def copy_batch(
     batch: T, device: torch.device, stream: torch.Stream | None,
-    made: list[torch.Tensor] | None = None,
+    made: list[torch.Tensor] | None = None, inplace: bool = True,
 ) -> T:
-    """``batch.to(device, non_blocking=True)`` with every host-to-device copy on ``stream`` and
-    every destination allocated on the current stream (the consumer).
+    """``batch.to(device, non_blocking=True)`` with every host-to-device copy on ``stream``.
 
-    Contract: the caller makes the consumer wait on ``stream`` before it reads the result
-    (``current_stream().wait_stream(stream)``), and needs no ``record_stream``: the memory belongs
-    to the current stream, so freeing it there is ordered after the consumer's reads. Host
-    tensors must stay valid until the copy ends (pinned memory: the host allocator tracks it).
+    ``inplace``: every destination is allocated on the current stream (the consumer), ordered
+    before the copy by an event. The caller makes the consumer wait on ``stream`` before it
+    reads the result (``current_stream().wait_stream(stream)``) and needs no ``record_stream``:
+    the memory belongs to the current stream, so freeing it there is ordered after the
+    consumer's reads. Else the copy is allocated on ``stream`` too (torchrec's default path;
+    the consumer must ``record_stream``). Host tensors must stay valid until the copy ends
+    (pinned memory: the host allocator tracks it).
+
     ``made`` (if given) gets every tensor the copy allocated: what the caller owns, as opposed
     to tensors that ``to`` returned as they were (already on ``device``).
     ``stream=None`` (CPU pipelines): a plain ``batch.to(device, non_blocking=True)``.
     """
     if stream is None:
         return batch.to(device, non_blocking=True)
-    with _CopyOn(_indexed(torch.device(device)), stream, [] if made is None else made):
+    mode = _CopyOn(_indexed(torch.device(device)), stream, [] if made is None else made, inplace)
+    with torch.cuda.stream(torch.cuda.current_stream() if inplace else stream), mode:
         return batch.to(device, non_blocking=True)

@@ -144,8 +144,8 @@ def _with_options(cls, **options):
     return make
 
 
-class RecpipeNoInplace(RecpipePipeline):
-    inplace_copy_batch = False  # the batch copy allocated on memcpy, record_stream'd (torchrec's)
+class RecpipeInplace(RecpipePipeline):
+    inplace_copy_batch = True  # the batch copy allocated on main, no record_stream(main)
 
 
 class RecpipeNoEarlyFree(RecpipePipeline):
@@ -166,7 +166,7 @@ PIPELINES = {
     "torchrec_free_clear": _with_options(TorchrecPipeline, **_EARLY_FREE, clear_data_dist_inputs=True),
     "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),  # every memory option on
     "recpipe": RecpipePipeline,
-    "recpipe_no_inplace": RecpipeNoInplace,
+    "recpipe_inplace": RecpipeInplace,
     "recpipe_no_early_free": RecpipeNoEarlyFree,
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
     "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
