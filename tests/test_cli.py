@@ -33,7 +33,9 @@ def test_sigint_finishes_the_step_saves_and_prints_how_to_resume(gloo, tmp_path:
     ck = tmp_path / "ck"
     run = ["trainer.steps=150", "trainer.log_interval=1", "trainer.eval=false",
            f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"]
-    p = _popen([sys.executable, SCRIPT, *run], cwd=tmp_path)
+    # as a terminal's foreground job: SIGINT not ignored (a CI shell's background jobs ignore it)
+    p = _popen([sys.executable, SCRIPT, *run], cwd=tmp_path,
+               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stderr.readline()
     assert first.startswith("run dir: "), first + p.communicate()[1]
     time.sleep(0.3)  # a few steps

@@ -110,7 +110,8 @@ class _Signals:
 @contextmanager
 def _stop_signals() -> Iterator[_Signals]:
     """Within the block SIGINT and SIGTERM only set ``signum`` (the loop stops after its step);
-    the previous handlers come back on exit. Off the main thread, nothing is installed."""
+    the previous handlers come back on exit. A signal the process ignores (a shell's background
+    job ignores SIGINT) stays ignored; off the main thread nothing is installed."""
     got = _Signals()
     if threading.current_thread() is not threading.main_thread():
         yield got
@@ -119,7 +120,8 @@ def _stop_signals() -> Iterator[_Signals]:
     def handler(signum: int, frame: object) -> None:
         got.signum = got.signum or signum
 
-    before = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    before = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)
+              if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield got
     finally:
