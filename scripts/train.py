@@ -103,10 +103,8 @@ def _run(dcfg: DictConfig) -> list[dict]:
     cfg = OmegaConf.to_object(dcfg)
     validate(cfg)
     device = _init_distributed(cfg.hardware.backend)
-    from recpipe.pipeline.app.trainer import (  # torchrec: once valid
-        TrainingInterrupted,
-        train,
-    )
+    # imported once the config is valid: the trainer loads torchrec
+    from recpipe.pipeline.app.trainer import TrainingInterrupted, train
 
     try:
         return train(cfg, device)
