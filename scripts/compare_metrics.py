@@ -17,7 +17,8 @@ import sys
 
 def load(path: str) -> list[dict]:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if "loss" in r]  # training rows (eval rows carry eval_* only)
 
 
 def main() -> None:

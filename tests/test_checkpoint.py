@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from dist_utils import run_ranks
-from test_train import ROOT, config, gloo, losses, one_rank  # noqa: F401 (gloo: a fixture)
+from test_train import SYNTHETIC, ROOT, config, gloo, losses, one_rank  # noqa: F401 (gloo: a fixture)
 
 from recpipe.pipeline.app.checkpoint import PAUSE_ENV, CheckpointDir, CheckpointError
 from recpipe.pipeline.app.data import SyntheticSource
@@ -112,7 +112,8 @@ KILL_RUN = ("trainer.steps=120", "trainer.log_interval=10", "trainer.checkpoint_
 
 def _start(tmp: Path, *overrides: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts/train.py"), *overrides, f"output_dir={tmp / 'out'}"],
+        [sys.executable, str(ROOT / "scripts/train.py"), *SYNTHETIC, *overrides,
+         f"output_dir={tmp / 'out'}"],
         cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )

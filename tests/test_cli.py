@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_checkpoint import RUN, _history, _sums_ok, latest_state, made, refusal  # noqa: F401 (made)
-from test_train import ROOT, config, gloo, losses  # noqa: F401 (gloo: a fixture)
+from test_train import SYNTHETIC, ROOT, config, gloo, losses  # noqa: F401 (gloo: a fixture)
 
 from recpipe.pipeline.app.trainer import train
 
@@ -34,7 +34,7 @@ def test_sigint_finishes_the_step_saves_and_prints_how_to_resume(gloo, tmp_path:
     run = ["trainer.steps=150", "trainer.log_interval=1", "trainer.eval=false",
            f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"]
     # as a terminal's foreground job: SIGINT not ignored (a CI shell's background jobs ignore it)
-    p = _popen([sys.executable, SCRIPT, *run], cwd=tmp_path,
+    p = _popen([sys.executable, SCRIPT, *SYNTHETIC, *run], cwd=tmp_path,
                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stderr.readline()
     assert first.startswith("run dir: "), first + p.communicate()[1]
@@ -75,7 +75,7 @@ def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> 
     ck = tmp_path / "ck"
     p = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", SCRIPT,
-         "trainer.steps=5000", "trainer.log_interval=10", "trainer.eval=false",
+         *SYNTHETIC, "trainer.steps=5000", "trainer.log_interval=10", "trainer.eval=false",
          f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
     )
@@ -110,7 +110,7 @@ def test_refused_with_one_line_exit_1_and_latest_untouched(made: Path, tmp_path:
     before = latest_state(ck)
     try:
         r = subprocess.run(
-            [sys.executable, SCRIPT, *RUN, *overrides, f"trainer.checkpoint_dir={ck}",
+            [sys.executable, SCRIPT, *SYNTHETIC, *RUN, *overrides, f"trainer.checkpoint_dir={ck}",
              f"output_dir={tmp_path / 'out'}"],
             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
         )

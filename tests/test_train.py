@@ -24,9 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 register()
 
 
+#: the tests' data and model: the fast synthetic ones (the job's default is MovieLens-100k)
+SYNTHETIC = ("data=synthetic", "model=small")
+
+
 def config(*overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = OmegaConf.to_object(compose(config_name="train", overrides=list(overrides)))
+        cfg = OmegaConf.to_object(
+            compose(config_name="train", overrides=[*SYNTHETIC, *overrides]))
     validate(cfg)
     return cfg
 
@@ -101,7 +106,7 @@ def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, override: str, message: str) -> None:
-    r = _run([str(ROOT / "scripts/train.py"), override, f"output_dir={tmp_path}"], tmp_path)
+    r = _run([str(ROOT / "scripts/train.py"), *SYNTHETIC, override, f"output_dir={tmp_path}"], tmp_path)
     assert r.returncode != 0
     assert message in r.stdout + r.stderr
     if message.startswith("error: "):  # ours: one line, no traceback
@@ -140,7 +145,7 @@ def test_torchrun_two_ranks_both_pipelines_agree(tmp_path: Path) -> None:
         out = tmp_path / pipeline
         r = _run(
             ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-             str(ROOT / "scripts/train.py"), f"pipeline={pipeline}", "trainer.steps=30",
+             str(ROOT / "scripts/train.py"), *SYNTHETIC, f"pipeline={pipeline}", "trainer.steps=30",
              "trainer.deterministic=true",  # as the GPU check runs it
              "trainer.log_interval=10", f"output_dir={out}"],
             tmp_path,

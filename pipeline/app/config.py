@@ -46,6 +46,9 @@ class DataConfig:
     path: str | None = None  # movielens: the converted .npz; criteo_tsv: a file or directory
     eval_fraction: float = 0.2  # movielens: the last (time-ordered) fraction is the eval part
     max_history: int = 20  # movielens: cap on the user's earlier items per sample
+    # movielens: whose labels the user/item positive-rate features see: "earlier" (every event
+    # strictly earlier in time, as a live system knows them) | "train" (the training part's)
+    label_scope: str = "earlier"
 
 
 @dataclass
@@ -137,6 +140,7 @@ def _finite(key: str, value: float, high: float = math.inf) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Raise :class:`UsageError` naming the first bad key, or an option this machine cannot run."""
     _choice("data.schema", cfg.data.schema, SCHEMAS)
+    _choice("data.label_scope", cfg.data.label_scope, ("earlier", "train"))
     _choice("pipeline.name", cfg.pipeline.name, ("recpipe", "torchrec"))
     _choice("pipeline.dense_allreduce", cfg.pipeline.dense_allreduce,
             ("ddp", "nccl", "symm_mem", "auto"))

@@ -220,7 +220,8 @@ class MovieLensSource:
         with np.load(path) as f:
             arrays = {k: f[k] for k in f.files}
         return cls(arrays, batch_size=data.batch_size, eval_fraction=data.eval_fraction,
-                   max_history=data.max_history, seed=seed, dim=model.dim)
+                   max_history=data.max_history, seed=seed, dim=model.dim,
+                   label_scope=data.label_scope)
 
     def train_positions(self, rank: int, world: int, step: int) -> np.ndarray:
         """Events (time-ordered positions) of ``rank``'s batch at global ``step``: each epoch
