@@ -1,6 +1,6 @@
 """Where the pipeline's permute outputs live, and how their streams are ordered.
 
-Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (README, design notes):
+Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/design.md):
 
 - :func:`main_stream_allocator` (P2, the recat in ``dist_init``): the buffers come from the
   **main** stream's pool, so they are reusable as soon as main drops the KJT, with no

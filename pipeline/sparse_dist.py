@@ -1,7 +1,7 @@
 """``TrainPipelineSparseDist`` with the KJT permutes written into memory that is reusable on time.
 
 A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
-where the two permutes of the sparse input distribution write (README, design notes):
+where the two permutes of the sparse input distribution write (docs/design.md):
 
 - P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
   pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight
@@ -20,6 +20,11 @@ where the two permutes of the sparse input distribution write (README, design no
   bucketized KJT, a second batch-sized tensor): torchrec holds it until the forward a step
   later; recpipe drops it when the next batch's input dist starts, after data_dist waited for
   the all-to-all (:meth:`TrainPipelineSparseDist._release_sent_inputs`).
+- The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
+  dists are queued, as torchrec >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
+  and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
+- The batch copy itself (``inplace_copy_batch``, off by default): main-stream memory for any
+  ``Pipelineable`` (:func:`recpipe.kjt.copy_batch`).
 
 How the permutes are reached: Python runs at P1 and P2 only. The batch's KJTs take a
 per-pipeline subclass (:func:`recpipe.kjt.redirecting_kjt_type`) during each pipelined module's
