@@ -1,0 +1,54 @@
+"""Past one host: the training job under torchrun as two "nodes" of 2 processes on this machine
+(c10d rendezvous on localhost) trains to the losses of one node of 4 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from test_train import ROOT, SYNTHETIC
+
+RUN = (*SYNTHETIC, "trainer.steps=20", "trainer.log_interval=5", "trainer.eval=false",
+       "trainer.checkpoint=false")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*launch: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launch,
+         str(ROOT / "scripts/train.py"), *RUN, f"output_dir={out}"],
+        cwd=out.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _losses(out: Path) -> list[float]:
+    (run,) = out.iterdir()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_two_nodes_of_two_match_one_node_of_four(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{_port()}"
+    nodes = [
+        _torchrun("--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint={endpoint}", "--rdzv-id=multinode-test",
+                  out=tmp_path / "two")
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outputs)
+    one = _torchrun("--standalone", "--nproc-per-node=4", out=tmp_path / "one")
+    output = one.communicate(timeout=600)[0]
+    assert one.returncode == 0, output[-3000:]
+    two_nodes, one_node = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(two_nodes) == 4 and two_nodes == one_node
