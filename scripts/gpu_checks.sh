@@ -75,7 +75,7 @@ case "${1:-}" in
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
     for v in ddp nccl symm_mem; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
-        model=large pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false \
+        data=synthetic model=large pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false \
         output_dir="$out/allreduce-$v" 2>&1 | tee "$out/allreduce-$v.log" | grep -E "rror" | tail -3
     done
     for v in nccl symm_mem; do
@@ -89,10 +89,11 @@ case "${1:-}" in
       --out "$out/dense.md" 2>&1 | tee "$out/dense.log" | grep -E "^\||vs|identical|^###|rror"
     ;;
   allreduce-checks) ;;
-  train)  # needs >= 2 GPUs (issue 5): torchrun training with both pipelines, then the bench
+  train)  # torchrun training on MovieLens-100k (carry data/: scripts/prepare_movielens.py makes
+         # it) with both pipelines, deterministic: bit-identical losses, eval AUC; then the bench
     for p in torchrec recpipe; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
-        pipeline=$p trainer.steps=200 trainer.log_interval=1 trainer.checkpoint=false \
+        data=movielens pipeline=$p trainer.log_interval=1 trainer.checkpoint=false \
         trainer.deterministic=true output_dir="$out/train-$p" \
         2>&1 | tee "$out/train-$p.log" | grep -E "rror" | tail -3
     done
