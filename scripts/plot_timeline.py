@@ -19,10 +19,16 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memory_snapshot import load, pick_device, segments_of, trace_of
+from memory_snapshot import (
+    _SEGMENT_GROW,
+    _SEGMENT_SHRINK,
+    load,
+    pick_device,
+    segments_of,
+    trace_of,
+)
 
-_ALLOC, _FREE = {"alloc"}, {"free_requested"}
-_GROW, _SHRINK = {"segment_alloc", "segment_map"}, {"segment_free", "segment_unmap"}
+_ALLOC, _FREE = ("alloc",), ("free_requested",)  # "allocated" memory, as memory_snapshot counts it
 
 
 def curves(snapshot: Mapping[str, Any], step: int, steps: int) -> tuple[list[float], list[float], list[float]]:
@@ -37,7 +43,7 @@ def curves(snapshot: Mapping[str, Any], step: int, steps: int) -> tuple[list[flo
     final_alloc = sum(int(b["size"]) for s in segments for b in s.get("blocks", ())
                       if b.get("state") == "active_allocated")
     d_alloc = [_delta(e, _ALLOC, _FREE) for e in trace]
-    d_res = [_delta(e, _GROW, _SHRINK) for e in trace]
+    d_res = [_delta(e, _SEGMENT_GROW, _SEGMENT_SHRINK) for e in trace]
     alloc, res = final_alloc - sum(d_alloc), final_res - sum(d_res)
     first = _first(trace, f"step {step}")
     last = _first(trace, f"step {step + steps}", default=len(trace))
@@ -55,7 +61,7 @@ def curves(snapshot: Mapping[str, Any], step: int, steps: int) -> tuple[list[flo
     return ts, xs, ys
 
 
-def _delta(e: Mapping[str, Any], grow: set[str], shrink: set[str]) -> int:
+def _delta(e: Mapping[str, Any], grow: tuple[str, ...], shrink: tuple[str, ...]) -> int:
     action = e.get("action")
     size = int(e.get("size", 0))
     return size if action in grow else -size if action in shrink else 0
