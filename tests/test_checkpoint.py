@@ -119,12 +119,24 @@ def _start(tmp: Path, *overrides: str, **env: str) -> subprocess.Popen:
     )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_until(done: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
     end = time.monotonic() + timeout
-    while not path.exists():
+    while not done():
         assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < end, f"no {path}"
+        assert time.monotonic() < end, f"no {what}"
         time.sleep(0.02)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    _wait_until(path.exists, proc, str(path))
+
+
+def _latest(ck: Path) -> int:
+    """The step `latest` names, or -1 before the first one (it is replaced atomically)."""
+    try:
+        return int((ck / "latest").read_text())
+    except FileNotFoundError:
+        return -1
 
 
 def _history(ck: Path) -> list[tuple]:
@@ -137,12 +149,12 @@ def test_kill_9_while_training_and_while_saving_then_resume(gloo, tmp_path: Path
     ck = tmp_path / "ck"
     run = (*KILL_RUN, f"trainer.checkpoint_dir={ck}")
     p = _start(tmp_path, *run)
-    _wait_for(ck / "step_40" / "sha256sums", p)  # training on after a complete checkpoint or two
+    _wait_until(lambda: _latest(ck) >= 40, p, "latest >= 40")  # training on after a checkpoint or two
     p.kill()
     p.wait()
-    latest = int((ck / "latest").read_text())
-    assert latest >= 40
-    pause = latest + 40  # the second save of the resumed run
+    latest = _latest(ck)
+    assert _sums_ok(ck / f"step_{latest}")
+    pause = min(latest + 40, 120)  # the resumed run's second save (or its last)
     p = _start(tmp_path, *run, "trainer.resume=true", **{PAUSE_ENV: str(pause)})
     _wait_for(ck / f"step_{pause}" / ".metadata", p)  # DCP wrote it; sha256sums and latest not yet
     p.send_signal(signal.SIGKILL)
