@@ -25,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from recpipe.kjt import copy_batch
+from recpipe.pipeline.topology import node_layout, planner_topology
 
 
 @dataclass(frozen=True)
@@ -277,16 +278,19 @@ def build_sharded(
     seed: int = 0,
     optimizer: str = "sgd",
     data_parallel: object | None = None,
+    topology: "Topology | None" = None,  # noqa: F821 (torchrec's planner type)
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``DistributedModelParallel(Model(spec))`` with table ``i`` of each module sharded as
     ``sharding_types[i % len(sharding_types)]`` (mixing types makes the input dist permute the
     features); ``optimizer`` (sgd | adagrad) fused into the tables' backward and on the dense
     part. ``data_parallel``: a torchrec ``DataParallelWrapper`` for the dense part (default:
-    torchrec's DDP). Deterministic in ``seed``."""
+    torchrec's DDP). ``topology``: the planner's (default: :func:`recpipe.pipeline.topology.
+    planner_topology` of this job's node layout and default bandwidths). Deterministic in
+    ``seed``."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -302,11 +306,8 @@ def build_sharded(
         for module in spec.modules()
         for i, table in enumerate(spec.tables(module))
     }
-    world = pg.size()
-    # the plan places rank r's shards on cuda:(r % local_world_size): ranks may share a GPU
-    # (recpipe.pipeline.launch), so no more local ranks than GPUs
-    local = min(world, torch.cuda.device_count()) if device.type == "cuda" else world
-    topology = Topology(world_size=world, compute_device=device.type, local_world_size=local)
+    if topology is None:
+        topology = planner_topology(node_layout(pg.size()), device)
     sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         model, sharders, pg

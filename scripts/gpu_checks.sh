@@ -9,6 +9,7 @@
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
 #        allreduce-bench: step time with each dense all-reduce, 5 alternating runs
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
+#   bash scripts/gpu_checks.sh multinode  # 2 GPUs as 2 torchrun "nodes" of 1 vs 1 node of 2
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
@@ -103,6 +104,23 @@ case "${1:-}" in
       --sharding table_wise,row_wise --json "$out/small.json" --out "$out/small.md" 2>&1 \
       | tee "$out/small.log" | grep -E "^\||vs|identical|^###|rror"
     ;;
+  multinode)  # 2 GPUs: two torchrun "nodes" of 1 GPU each (CUDA_VISIBLE_DEVICES per node, c10d
+    # rendezvous on localhost) against one node of 2, deterministic: the layout and symmetric-
+    # memory lines of each run's log, and bit-identical losses
+    run=(scripts/train.py hardware=cuda data=synthetic model=small pipeline.dense_allreduce=auto
+         trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false trainer.deterministic=true)
+    port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    for i in 0 1; do
+      CUDA_VISIBLE_DEVICES=$i python3 -m torch.distributed.run --nnodes=2 --node-rank=$i \
+        --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:$port --rdzv-id=multinode \
+        "${run[@]}" output_dir="$out/two-nodes" >"$out/two-nodes-$i.log" 2>&1 &
+    done
+    wait
+    python3 -m torch.distributed.run --standalone --nproc-per-node=2 "${run[@]}" \
+      output_dir="$out/one-node" >"$out/one-node.log" 2>&1
+    grep -hE "world size|all-reduce|rror" "$out"/two-nodes-0.log "$out"/one-node.log
+    python3 scripts/compare_metrics.py "$out"/one-node/*/metrics.jsonl "$out"/two-nodes/*/metrics.jsonl
+    ;;
   scaling)  # nvidia-h200-x4 / -x8 (issue 7): large bench and all-reduce latency, as JSON for
     # scripts/plot_scaling.py (run here, with the files of every GPU count)
     python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_parity.py -k four \
@@ -113,5 +131,5 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench]|train|scaling" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench]|train|multinode|scaling" >&2; exit 2 ;;
 esac

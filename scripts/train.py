@@ -10,9 +10,9 @@ Configs: configs/ (groups model, data, sharding, pipeline, hardware, trainer); t
 value checks: recpipe.pipeline.app.config. Output (rank 0): <output_dir>/<time>-<pipeline>/
 with config.yaml, metrics.jsonl and checkpoint/ (unless trainer.checkpoint_dir is given).
 
-A usage problem (a bad value, an option this machine cannot run, a checkpoint directory that
-cannot be used as asked, a diverged loss) ends the run with one line ``error: ...`` and exit
-status 1. SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line naming
+A usage problem (a key or value Hydra cannot compose, a bad value, an option this machine cannot
+run, a checkpoint directory that cannot be used as asked, a diverged loss) ends the run with one
+line ``error: ...`` and exit status 1. SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line naming
 it and the command that resumes it (exit status 130/143).
 """
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from recpipe.pipeline.app.config import UsageError, register, validate
+from recpipe.pipeline.app.config import UsageError, composition_error, register, validate
 
 register()
 log = logging.getLogger("recpipe")
@@ -117,6 +117,9 @@ def _run(dcfg: DictConfig) -> list[dict]:
         dist.destroy_process_group()
 
 
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(dcfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
@@ -135,5 +138,16 @@ def main(dcfg: DictConfig) -> None:
                  last["auc"], last["samples_per_s"])
 
 
+def _check_overrides(args: list[str]) -> None:
+    """Exit with one line if Hydra cannot compose ``args`` (plain ``key=value`` overrides only:
+    sweeps and Hydra's own flags are left to Hydra)."""
+    if any(a.startswith("-") for a in args):
+        return
+    error = composition_error(CONFIGS, "train", args)
+    if error:
+        raise SystemExit(f"error: {error}" if int(os.environ.get("RANK", "0")) == 0 else 1)
+
+
 if __name__ == "__main__":
+    _check_overrides(sys.argv[1:])
     main()

@@ -27,13 +27,15 @@ from recpipe.pipeline.app.checkpoint import PAUSE_ENV, CheckpointDir, Checkpoint
 from recpipe.pipeline.app.data import SyntheticSource
 from recpipe.pipeline.app.trainer import NonFiniteError, train
 from recpipe.pipeline.synthetic import build_sharded
+from recpipe.pipeline.topology import NodeLayout
 
 SHORT = ("trainer.steps=20", "trainer.log_interval=5")
 
 
 def _two_rank_runs(rank: int, world: int, device, tmp: str) -> dict:
     """Per (pipeline, optimizer): the losses of an uninterrupted run without evaluation, and of
-    a run stopped at step 10 and resumed, evaluating every 5 steps."""
+    a run stopped at step 10 and resumed, evaluating every 5 steps. The adagrad run is saved by
+    1 node x 2 ranks and resumed by 2 nodes x 1 (torchrun's LOCAL_WORLD_SIZE)."""
     out = {}
     for pipeline, optimizer in (("recpipe", "sgd"), ("torchrec", "sgd"), ("recpipe", "adagrad")):
         d = os.path.join(tmp, f"{pipeline}-{optimizer}")
@@ -42,6 +44,8 @@ def _two_rank_runs(rank: int, world: int, device, tmp: str) -> dict:
             out[optimizer] = losses(train(config(*base, "trainer.eval=false"), device, f"{d}/full"))
         ck = f"trainer.checkpoint_dir={d}/ck"
         first = train(config(*base, ck, "trainer.stop_after=10", "trainer.eval_interval=5"), device, f"{d}/a")
+        if optimizer == "adagrad":
+            os.environ["LOCAL_WORLD_SIZE"] = "1"
         rest = train(config(*base, ck, "trainer.resume=true", "trainer.eval_interval=5"), device, f"{d}/b")
         out[pipeline, optimizer] = losses(first + rest), rest
     return out
@@ -58,7 +62,9 @@ def test_two_ranks_resume_bit_identical_with_every_optimizer(
         assert resumed == results[optimizer], (pipeline, optimizer)  # and evaluating changed nothing
         assert [r["step"] for r in rest if "eval_auc" in r] == [15, 20]
     meta = json.loads((tmp_path / "recpipe-adagrad/ck/step_20/meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["step"] == 20
+    assert (meta["world_size"], meta["local_world_size"], meta["step"]) == (2, 1, 20)
+    saved = json.loads((tmp_path / "recpipe-adagrad/ck/step_10/meta.json").read_text())
+    assert saved["local_world_size"] == 2  # by 1 node x 2, resumed by 2 nodes x 1
 
 
 def test_evaluation_does_not_change_training_on_one_rank(gloo, tmp_path: Path) -> None:
@@ -260,7 +266,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_at_load(gloo, made: Path, tmp
     with CheckpointDir.open(str(ck), resume) as d:
         with pytest.raises(CheckpointError, match=r"step_20 does not fit this model \(Size mismatch"):
             d.load(model, optimizer)
-        d.resume = dataclasses.replace(d.resume, world_size=2)
-        with pytest.raises(CheckpointError, match=r"\(world size 2\) cannot be resharded to world "
-                                                  r"size 1 \(Size mismatch.*\): resume with 2 ranks$"):
+        d.resume = dataclasses.replace(d.resume, layout=NodeLayout(2, 1))
+        with pytest.raises(CheckpointError, match=r"\(world size 2: 2 nodes x 1 rank\(s\)\) cannot be "
+                                                  r"resharded to world size 1 \(Size mismatch.*\): "
+                                                  r"resume with 2 ranks$"):
             d.load(model, optimizer)

@@ -18,6 +18,7 @@ import pytest
 from test_checkpoint import RUN, _history, _sums_ok, latest_state, made, refusal  # noqa: F401 (made)
 from test_train import SYNTHETIC, ROOT, config, gloo, losses  # noqa: F401 (gloo: a fixture)
 
+from recpipe.pipeline.app.config import composition_error
 from recpipe.pipeline.app.trainer import train
 
 SCRIPT = str(ROOT / "scripts/train.py")
@@ -120,3 +121,25 @@ def test_refused_with_one_line_exit_1_and_latest_untouched(made: Path, tmp_path:
     assert (r.stdout + r.stderr).splitlines() == [r.stderr.strip()], r.stderr  # one line
     assert r.stderr.startswith("error: ") and message in r.stderr, r.stderr
     assert latest_state(ck) == before and not (tmp_path / "out").exists()
+
+
+# a key Hydra cannot compose: one line naming the override and the fix (Hydra's own: 6-20 lines)
+
+COMPOSE_ERRORS = {
+    "trainer.stpes=3": "Could not override 'trainer.stpes': Key 'stpes' not in 'TrainerConfig' "
+                       "(the keys and types: recpipe.pipeline.app.config)",
+    "trainer.steps=abc": "Error merging override trainer.steps=abc: Value 'abc' of type 'str' could "
+                         "not be converted to Integer",
+    "model=nope": "In 'train': Could not find 'model/nope': pick one of dense_heavy, large, "
+                  "movielens, small",
+}
+
+
+def test_overrides_hydra_cannot_compose_get_one_line() -> None:
+    for override, message in COMPOSE_ERRORS.items():
+        error = composition_error(str(ROOT / "configs"), "train", [override])
+        assert error is not None and error.startswith(message), error
+    assert composition_error(str(ROOT / "configs"), "train", ["trainer.steps=3", "data=synthetic"]) is None
+    r = subprocess.run([sys.executable, SCRIPT, "trainer.stpes=3"], env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (1, "", f"error: {COMPOSE_ERRORS['trainer.stpes=3']}\n")

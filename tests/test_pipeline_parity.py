@@ -39,9 +39,8 @@ class RingEverywherePipeline(TrainPipelineSparseDist):
 
 def _train(
     rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
-    ours: type = TrainPipelineSparseDist,
+    ours: type = TrainPipelineSparseDist, spec: ModelSpec = ModelSpec(),
 ) -> dict:
-    spec = ModelSpec()
     pg = torch.distributed.group.WORLD
     out = {}
     for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", ours)):

@@ -5,7 +5,8 @@ Layout of ``trainer.checkpoint_dir``::
     .lock              flock'd by rank 0 for the run's life (the OS releases it on kill -9)
     latest             the step of the newest complete checkpoint (written atomically, last)
     step_<N>/          DCP files and .metadata (every rank), then, by rank 0:
-        meta.json      step, world size, the config identity (:func:`identity`) and its hash
+        meta.json      step, world size and ranks per node, the config identity
+                       (:func:`identity`) and its hash
         metrics.jsonl  the run's metrics rows up to step N (a resumed run continues them)
         sha256sums     sha256 of every other file here (``sha256sum -c sha256sums`` checks it)
 
@@ -14,8 +15,9 @@ rank (``.metadata`` present), and ``latest`` moves only after it. So ``latest`` 
 partial checkpoint, whatever is killed when. Resume (:meth:`CheckpointDir.open`) refuses, with a
 :class:`CheckpointError` naming the problem and the fix, a missing/empty/garbage ``latest``, an
 incomplete or corrupt checkpoint, another config, ``steps`` not beyond the checkpoint, and (at
-load) a model or world size DCP cannot reshard to. A fresh run refuses a directory that already
-holds checkpoints unless ``trainer.overwrite=true``.
+load) a model or world size DCP cannot reshard to. Another node count of the same world size
+(say 2 nodes x 2 ranks saved, 1 node x 4 resuming) changes only the plan: DCP reshards it. A
+fresh run refuses a directory that already holds checkpoints unless ``trainer.overwrite=true``.
 
 Rank 0 alone reads and writes these files (the directory is shared, as DCP requires); every
 decision is broadcast, so all ranks raise the same error and none waits for another.
@@ -48,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from recpipe.pipeline.app.config import TrainConfig, UsageError
+from recpipe.pipeline.topology import NodeLayout, node_layout
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class Checkpoint:
 
     path: str
     step: int
-    world_size: int
+    layout: NodeLayout  # the world size and ranks per node that saved it
     config_hash: str
     config: dict[str, Any]
 
@@ -98,6 +101,7 @@ class CheckpointDir:
         self.path = path
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.layout = node_layout(self.world)
         self._ident = identity(cfg)
         self._keep = cfg.trainer.keep_checkpoints
         self._lock: int | None = None
@@ -207,8 +211,9 @@ class CheckpointDir:
         try:
             with open(os.path.join(d, META)) as f:
                 meta = json.load(f)
-            ckpt = Checkpoint(d, meta["step"], meta["world_size"], meta["config_hash"], meta["config"])
-        except (ValueError, KeyError, TypeError) as e:  # sha256sums rewritten to match
+            layout = NodeLayout(meta["world_size"], meta.get("local_world_size", meta["world_size"]))
+            ckpt = Checkpoint(d, meta["step"], layout, meta["config_hash"], meta["config"])
+        except (ValueError, KeyError, TypeError) as e:  # sha256sums rewritten to match (LayoutError too)
             raise CheckpointError(f"{d}/{META} is unreadable ({e!r}): {self._fix(step)}") from None
         if ckpt.config_hash != config_hash(self._ident):
             diffs = [f"{k}={ckpt.config.get(k)!r} there, {v!r} here"
@@ -248,8 +253,9 @@ class CheckpointDir:
     def _seal(self, d: str, step: int, history: list[dict]) -> None:
         if not os.path.exists(os.path.join(d, ".metadata")):
             raise RuntimeError(f"{d}: DCP returned without writing .metadata")
-        meta = {"step": step, "world_size": self.world, "config_hash": config_hash(self._ident),
-                    "config": self._ident}
+        meta = {"step": step, "world_size": self.world,
+                "local_world_size": self.layout.local_world_size,
+                "config_hash": config_hash(self._ident), "config": self._ident}
         _write(os.path.join(d, META), json.dumps(meta, indent=1) + "\n")
         _write(os.path.join(d, HISTORY), "".join(json.dumps(r) + "\n" for r in history))
         sums = "".join(f"{_sha256(os.path.join(d, n))}  {n}\n" for n in sorted(os.listdir(d)))
@@ -278,18 +284,19 @@ class CheckpointDir:
             dcp.load(state, checkpoint_id=ckpt.path)
         except (Exception, CheckpointException) as e:  # DCP: every rank's failures, on all ranks
             reason = _reason(e)
-            if ckpt.world_size != self.world:
+            if ckpt.layout.world_size != self.world:
                 raise CheckpointError(
-                    f"{ckpt.path} (world size {ckpt.world_size}) cannot be resharded to world "
-                    f"size {self.world} ({reason}): resume with {ckpt.world_size} ranks") from None
+                    f"{ckpt.path} (world size {ckpt.layout.world_size}: {ckpt.layout}) cannot be "
+                    f"resharded to world size {self.world} ({reason}): resume with "
+                    f"{ckpt.layout.world_size} ranks") from None
             raise CheckpointError(f"{ckpt.path} does not fit this model ({reason}): resume with "
                                   "the checkpoint's model and data config") from None
         model.load_state_dict(_merged(model.state_dict(), state["model"]))
         optimizer.load_state_dict(_merged(optimizer.state_dict(), state.get("optimizer", {})))
         fused = model.fused_optimizer
         fused.load_state_dict(_merged(fused.state_dict(), state.get("fused_optimizer", {})))
-        if ckpt.world_size != self.world:
-            log.info("resharded %s from world size %d to %d", ckpt.path, ckpt.world_size, self.world)
+        if ckpt.layout != self.layout:
+            log.info("resharded %s from %s to %s", ckpt.path, ckpt.layout, self.layout)
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import takewhile
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -33,6 +34,7 @@ class ModelConfig:
     dim: int = 16
     weighted: bool = True  # a weighted EmbeddingBagCollection too
     sequence: bool = True  # an EmbeddingCollection too
+    over_arch: list[int] = field(default_factory=lambda: [64])  # hidden widths of the over-arch MLP
 
 
 @dataclass
@@ -69,6 +71,10 @@ class PipelineConfig:
 class HardwareConfig:
     device: str = "cpu"  # cpu | cuda
     backend: str = "gloo"  # gloo | nccl
+    # the planner's link bandwidths, GB/s per GPU and direction (recpipe.pipeline.topology):
+    # inside a node (H200 NVLink) and across nodes (a 400 Gb/s NIC per GPU)
+    intra_node_gb_s: float = 450.0
+    inter_node_gb_s: float = 50.0
 
 
 @dataclass
@@ -159,6 +165,10 @@ def validate(cfg: TrainConfig) -> None:
                 "trainer.keep_checkpoints", "trainer.eval_interval"):
         group, name = key.split(".")
         _positive(key, getattr(getattr(cfg, group), name), zero_ok=True)
+    for width in cfg.model.over_arch:
+        _positive("model.over_arch", width)
+    for key in ("hardware.intra_node_gb_s", "hardware.inter_node_gb_s"):
+        _finite(key, getattr(cfg.hardware, key.split(".")[1]))
     _finite("trainer.lr", cfg.trainer.lr, MAX_LR)
     _finite("data.zipf", cfg.data.zipf)
     if not (0 < cfg.data.eval_fraction < 1):
@@ -199,6 +209,12 @@ def _validate_hardware(cfg: TrainConfig) -> None:
         if gpus < local:
             raise UsageError(f"hardware=cuda: {local} rank(s) on this host but {gpus} CUDA GPU(s) "
                              "visible: use hardware=cpu, or one rank per GPU")
+    from recpipe.pipeline.topology import LayoutError, node_layout
+
+    try:  # torchrun's environment: nodes of equal size
+        node_layout(int(os.environ.get("WORLD_SIZE", "1")))
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
     row_wise = sorted({t for t in cfg.sharding.types if "row_wise" in t})
     if row_wise and cfg.hardware.device == "cpu":
         raise UsageError(f"sharding.types={row_wise[0]}: torchrec has no CPU kernel for row-wise "
@@ -209,3 +225,28 @@ def _validate_hardware(cfg: TrainConfig) -> None:
         raise UsageError("sharding.types=data_parallel: torchrec 1.8's sharded EmbeddingCollection "
                          "fails on data-parallel tables (model.sequence=true); set "
                          "model.sequence=false or give the tables another sharding type")
+
+
+def composition_error(config_dir: str, config_name: str, overrides: list[str]) -> str | None:
+    """One line for overrides Hydra cannot compose into ``config_name`` (a key typo, a value of
+    the wrong type, an option a group lacks), naming the override and the fix; None if they
+    compose. Hydra's own report of these takes 6 to 20 lines."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir, version_base=None):
+            compose(config_name, overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        lines = [x for x in str(e).splitlines() if x.strip()]
+        if "Could not find" in lines[0]:  # an unknown group option: Hydra lists the group's
+            listed = next((i for i, x in enumerate(lines) if x.startswith("Available")), len(lines))
+            names = takewhile(lambda x: x.startswith("\t"), lines[listed + 1:])
+            names = [x.strip() for x in names if not x.endswith("_schema")]
+            return f"{lines[0]}: pick one of {', '.join(names)}"
+        cause = e.__cause__ and str(e.__cause__).splitlines()[0]
+        if cause:  # a key typo, a wrong type: OmegaConf's reason
+            return f"{lines[0].rstrip('.')}: {cause} (the keys and types: recpipe.pipeline.app.config)"
+        return " ".join(x.strip() for x in lines[:2])  # the override grammar
+    return None

@@ -57,11 +57,12 @@ class SyntheticSource:
         if d.schema == "criteo":  # 13 dense + 26 sparse features, one EmbeddingBagCollection
             spec = ModelSpec(num_tables=26, rows=m.rows, dim=m.dim, dense_in=13,
                              batch_size=d.batch_size, pooling=d.pooling, zipf=d.zipf,
-                             weighted=False, sequence=False)
+                             weighted=False, sequence=False, over_arch=tuple(m.over_arch))
         else:
             spec = ModelSpec(num_tables=m.num_tables, rows=m.rows, dim=m.dim, dense_in=d.dense_in,
                              batch_size=d.batch_size, pooling=d.pooling, zipf=d.zipf,
-                             weighted=m.weighted, sequence=m.sequence)
+                             weighted=m.weighted, sequence=m.sequence,
+                             over_arch=tuple(m.over_arch))
         return cls(spec, d.seed)
 
     def _seed(self, rank: int, index: int) -> int:

@@ -49,7 +49,6 @@ TABLES = {  # name: (features, pooling); every table has model.dim columns
     "genre": (("genres",), "mean"), "occupation": (("occupation",), "sum"),
     "age": (("age",), "sum"), "zip": (("zip",), "sum"),
 }
-OVER_ARCH = (64, 32)
 LABEL_SCOPES = ("earlier", "train")
 
 
@@ -159,7 +158,8 @@ class MovieLensSource:
 
     def __init__(
         self, arrays: Mapping[str, np.ndarray], *, batch_size: int, eval_fraction: float,
-        max_history: int, seed: int, dim: int, label_scope: str = "earlier",
+        max_history: int, seed: int, dim: int, over_arch: tuple[int, ...] = (64, 32),
+        label_scope: str = "earlier",
     ) -> None:
         if label_scope not in LABEL_SCOPES:
             raise ValueError(f"label_scope={label_scope!r}: expected one of {', '.join(LABEL_SCOPES)}")
@@ -202,7 +202,7 @@ class MovieLensSource:
                 "genre": genres.shape[1], "occupation": len(arrays["occupation_names"]),
                 "age": len(AGE_EDGES) + 1, "zip": len(zips)}
         self.spec = ModelSpec(
-            dim=dim, dense_in=len(DENSE), batch_size=batch_size, over_arch=OVER_ARCH,
+            dim=dim, dense_in=len(DENSE), batch_size=batch_size, over_arch=over_arch,
             layout={"ebc": tuple(TableSpec(name, rows[name], dim, feats, pooling)
                                  for name, (feats, pooling) in TABLES.items())},
         )
@@ -221,7 +221,7 @@ class MovieLensSource:
             arrays = {k: f[k] for k in f.files}
         return cls(arrays, batch_size=data.batch_size, eval_fraction=data.eval_fraction,
                    max_history=data.max_history, seed=seed, dim=model.dim,
-                   label_scope=data.label_scope)
+                   over_arch=tuple(model.over_arch), label_scope=data.label_scope)
 
     def train_positions(self, rank: int, world: int, step: int) -> np.ndarray:
         """Events (time-ordered positions) of ``rank``'s batch at global ``step``: each epoch
