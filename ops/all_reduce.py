@@ -1,36 +1,45 @@
-"""Sum all-reduce for dense-gradient buckets: symmetric memory on one NVLink host, NCCL beyond
-it, gloo on CPU; traceable by ``torch.compile``, with no copy for inputs computed in the graph.
+"""Sum all-reduce for dense-gradient buckets: NCCL, or symmetric memory (one-shot or two-shot) in
+a group on one NVLink host, whichever was measured fastest; gloo on CPU; traceable by
+``torch.compile``, with no extra copy for a bucket's flat gradient.
 
-    from recpipe.ops.all_reduce import all_reduce_sum
-    total = all_reduce_sum(x, group)    # a new tensor: the sum of x over the group's ranks
+    from recpipe.ops.all_reduce import all_reduce_flat, all_reduce_sum
+    total = all_reduce_sum(x, group)        # a new tensor: the sum of x over the group's ranks
+    flat = all_reduce_flat([a, b], group)   # the sum of cat([a.view(-1), b.view(-1)]): 1-D
 
-:func:`all_reduce_sum` picks the path on the host (:func:`uses_symmetric_memory`): symmetric
-memory for fp32/bf16 tensors of up to ``SYMM_MAX_BYTES`` on CUDA, in an NCCL group on one host
-that has symmetric memory enabled (``enable_symm_mem_for_group``); else
-``funcol.all_reduce`` (NCCL, or gloo on CPU). The symmetric path is two custom ops:
+The algorithm is chosen on the host, per call, from the bytes, dtype, device and group
+(:func:`choose_algorithm`); the ``algorithm`` argument asks for
 
-- ``recpipe::symm_all_reduce(Tensor input, str group_name) -> Tensor``: ``input`` must be
+- ``"auto"`` (default): the measured table of :mod:`recpipe.ops.all_reduce_table` (a
+  symmetric algorithm only where it beat NCCL at the measured sizes around the bucket's);
+- ``"symm_mem"``: symmetric memory wherever it can run, one-shot up to ``ONE_SHOT_MAX_BYTES``,
+  two-shot above (at 2, 4 and 8 ranks), NCCL above ``SYMM_MAX_BYTES``;
+- ``"nccl"``, ``"one_shot"`` or ``"two_shot"``: that algorithm.
+
+Symmetric memory can run on CUDA, for fp32/bf16 all-reduces of a multiple of 4 bytes, in an
+NCCL group that has symmetric memory enabled (``enable_symm_mem_for_group``: whoever enables
+it vouches that the group is on one host, as ``recpipe.pipeline`` does); anything else is NCCL
+(``funcol.all_reduce``: gloo on CPU). The symmetric path is two custom ops:
+
+- ``recpipe::symm_all_reduce(Tensor input, str group_name) -> Tensor``: ``input`` must be 1-D
   symmetric memory; the one-shot kernel (every rank reads every peer's buffer; ``input`` is
   left intact) writes the sum to a new tensor.
-- ``recpipe::symm_all_reduce_copy(Tensor input, str group_name) -> Tensor``: any input; one
-  ``copy_`` (a device-to-device memcpy: copy engine, no SMs) into this process's persistent
-  symmetric buffer for (group, dtype, device), then one-shot, or two-shot above
-  ``ONE_SHOT_MAX_BYTES`` at world sizes 2, 4 and 8 (two-shot uses its input as scratch, which
-  only a private buffer allows).
+- ``recpipe::symm_all_reduce_copy(Tensor[] inputs, str group_name, str algorithm) -> Tensor``:
+  1-D inputs in any memory, concatenated into this process's persistent symmetric buffer for
+  (group, dtype, device) by one ``cat(out=)`` (one input: a ``copy_``, a device-to-device
+  memcpy on the copy engine); then one-shot or two-shot (which uses its input as scratch: only
+  a private buffer allows that).
 
-Under ``torch.compile`` the inductor lowering registered here (the same code on torch 2.11 and
-2.13; importing this module registers it) chooses per call:
+Under ``torch.compile`` (importing this module registers the inductor lowering; the same code
+on torch 2.11 and 2.13), two-shot runs ``symm_all_reduce_copy`` on the flattened inputs, and
+one-shot ``symm_all_reduce`` on their ``cat``, lowered to:
 
-1. the input is computed in the graph with a static shape: its producer writes straight into a
-   symmetric buffer (inductor's ``empty_strided_p2p``) and ``symm_all_reduce`` runs on it, no
-   copy (except from 4 ranks above ``ONE_SHOT_MAX_BYTES``, where two-shot after a copy moves
-   fewer bytes: :func:`one_shot_in_place`);
-2. otherwise (a graph input, or a buffer inductor does not allocate itself):
-   ``symm_all_reduce_copy``, one DMA copy (where inductor itself would add an identity Triton
-   kernel on 2.13, or fail on 2.11). Inductor drops a ``cat`` of one tensor, so a
-   one-parameter bucket takes this path.
+1. the ``cat`` is computed in the graph with a static shape: its kernel writes straight into a
+   symmetric buffer (inductor's ``empty_strided_p2p``), reduced in place, no copy;
+2. otherwise (one graph input: inductor drops a ``cat`` of one tensor; or a buffer inductor does
+   not allocate itself): ``symm_all_reduce_copy`` of it, one DMA copy.
 
-Eager calls take path 2. Compile with inductor (another backend would pass ordinary memory to
+Eager calls take ``symm_all_reduce_copy`` (a ``cat`` of several inputs costs no extra copy
+there). Compile with inductor (another backend would pass ordinary memory to
 ``symm_all_reduce``), through :func:`compile_symmetric`: inductor names each
 symmetric buffer with an id drawn from Python's ``random``, which dynamo reseeds per frame, so
 two graphs would get the same id (and the allocator refuses a second live buffer or a new size
@@ -40,9 +49,8 @@ graph cache. No CUDA graphs, no multicast (one- and two-shot read peers' buffers
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -50,10 +58,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from recpipe.ops.all_reduce_table import ALGORITHMS, LatencyTable, load_table, local_machine
+
 SYMM_DTYPES = (torch.float32, torch.bfloat16)  # the kernels' dtypes (sum only)
-SYMM_MAX_BYTES = 16 << 20  # above: NCCL (to be tuned with scripts/bench_allreduce.py)
-ONE_SHOT_MAX_BYTES = 1 << 20  # copy path above this: two-shot (world 2, 4, 8)
+SYMM_MAX_BYTES = 16 << 20  # "symm_mem": NCCL above
+ONE_SHOT_MAX_BYTES = 1 << 20  # "symm_mem": two-shot above (world 2, 4, 8)
 _TWO_SHOT_WORLDS = (2, 4, 8)
+POLICIES = ("auto", "symm_mem", "nccl")  # the requests that choose by size
+REQUESTS = POLICIES + ALGORITHMS[1:]  # every value of ``algorithm``
 
 
 def _group_size(group_name: str) -> int:
@@ -82,21 +94,25 @@ def symmetric_buffer(numel: int, dtype: torch.dtype, device: torch.device, group
 
 @torch.library.custom_op("recpipe::symm_all_reduce", mutates_args=(), device_types="cuda")
 def symm_all_reduce(input: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of ``input`` (symmetric memory, contiguous) over the group: one-shot kernel."""
+    """Sum of ``input`` (1-D, symmetric memory, contiguous) over the group: one-shot kernel."""
     return torch.ops.symm_mem.one_shot_all_reduce(input, "sum", group_name)
 
 
 @torch.library.custom_op("recpipe::symm_all_reduce_copy", mutates_args=(), device_types="cuda")
-def symm_all_reduce_copy(input: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of ``input`` (any memory) over the group, through the persistent buffer."""
-    buf = symmetric_buffer(input.numel(), input.dtype, input.device, group_name)
-    buf.copy_(input.reshape(-1))
-    nbytes = input.numel() * input.element_size()
-    if nbytes > ONE_SHOT_MAX_BYTES and _group_size(group_name) in _TWO_SHOT_WORLDS:
-        out = torch.empty_like(input, memory_format=torch.contiguous_format)
-        torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", group_name, out.view(-1))
+def symm_all_reduce_copy(inputs: list[torch.Tensor], group_name: str, algorithm: str) -> torch.Tensor:
+    """Sum over the group of the 1-D ``inputs`` (any memory, one dtype) concatenated, through the
+    persistent buffer: ``algorithm`` is ``"one_shot"`` or ``"two_shot"``."""
+    numel = sum(t.numel() for t in inputs)
+    buf = symmetric_buffer(numel, inputs[0].dtype, inputs[0].device, group_name)
+    if len(inputs) == 1:
+        buf.copy_(inputs[0])
+    else:
+        torch.cat(inputs, out=buf)
+    if algorithm == "two_shot":
+        out = torch.empty_like(buf)
+        torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", group_name, out)
         return out
-    return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name).view(input.shape)
+    return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name)
 
 
 @symm_all_reduce.register_fake
@@ -105,76 +121,110 @@ def _(input: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 @symm_all_reduce_copy.register_fake
-def _(input: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-def one_shot_in_place(nbytes: int, group_name: str) -> bool:
-    """Whether a computed input of ``nbytes`` is reduced in place, one-shot, rather than copied
-    and reduced two-shot. One-shot reads every peer's whole buffer: (w-1)·n bytes per rank over
-    NVLink; two-shot reads 2(w-1)/w·n. At 2 ranks that is the same, so the copy never pays; at
-    4 and 8 ranks (where the copy path runs two-shot) above ``ONE_SHOT_MAX_BYTES`` the local
-    copy (device memory bandwidth) costs less than the extra NVLink reads."""
-    if nbytes <= ONE_SHOT_MAX_BYTES:
-        return True
-    world = _group_size(group_name)
-    return world < 4 or world not in _TWO_SHOT_WORLDS  # the copy path's two-shot: 2, 4, 8
+def _(inputs: list[torch.Tensor], group_name: str, algorithm: str) -> torch.Tensor:
+    return inputs[0].new_empty(sum(t.numel() for t in inputs))
 
 
 def _register_lowering() -> None:
     """Inductor: realize a computed input of ``symm_all_reduce`` in symmetric memory (no copy),
-    else call ``symm_all_reduce_copy`` (see the module docstring)."""
+    else call ``symm_all_reduce_copy`` on it, one-shot (see the module docstring)."""
     from torch._inductor import comm_lowering, ir
     from torch._inductor.lowering import register_lowering
-    from torch._inductor.utils import sympy_product
     from torch.utils import _pytree as pytree
 
     @register_lowering(torch.ops.recpipe.symm_all_reduce.default, type_promotion_kind=None)
     def _lower(inp: Any, group_name: str) -> Any:
-        op = torch.ops.recpipe.symm_all_reduce_copy.default
-        nbytes = int(sympy_product(inp.get_size())) * inp.get_dtype().itemsize
-        if one_shot_in_place(nbytes, group_name) and comm_lowering.can_realize_as_comm_buffer(
-            inp, ir.CommBufferType.SYMM_MEM
-        ):
+        if comm_lowering.can_realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM):
             comm_lowering.realize_as_comm_buffer(inp, ir.CommBufferType.SYMM_MEM, group_name)
-            op = torch.ops.recpipe.symm_all_reduce.default
-        return pytree.tree_map(ir.TensorBox.create, ir.FallbackKernel.create(op, inp, group_name))
+            op, args = torch.ops.recpipe.symm_all_reduce.default, (inp, group_name)
+        else:
+            op, args = torch.ops.recpipe.symm_all_reduce_copy.default, ([inp], group_name, "one_shot")
+        return pytree.tree_map(ir.TensorBox.create, ir.FallbackKernel.create(op, *args))
 
 
 _register_lowering()
 
 
-def uses_symmetric_memory(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether :func:`all_reduce_sum` reduces ``x`` through symmetric memory."""
-    return _symmetric_ok(x.numel() * x.element_size(), x.dtype, x.device.type, group.group_name)
+def _symmetric_group(dtype: torch.dtype, device_type: str, group_name: str) -> bool:
+    """Whether symmetric memory can reduce ``dtype`` on ``device_type`` in the group: an NCCL
+    group with symmetric memory enabled (node-locality is the enabler's to check)."""
+    from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
+
+    if device_type != "cuda" or dtype not in SYMM_DTYPES:
+        return False
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return "nccl" in str(dist.get_backend(group)) and is_symm_mem_enabled_for_group(group_name)
+
+
+def _table(world: int) -> LatencyTable | None:
+    return load_table(local_machine(world))
+
+
+def choose_algorithm(
+    nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup, algorithm: str = "auto",
+) -> str:
+    """The algorithm (``"nccl"``, ``"one_shot"`` or ``"two_shot"``) that
+    :func:`all_reduce_flat` runs for ``nbytes`` of ``dtype`` on ``device`` in ``group`` when
+    asked for ``algorithm`` (one of ``REQUESTS``: see the module docstring)."""
+    return _choose(nbytes, dtype, device.type, group.group_name, algorithm)
 
 
 @torch.compiler.assume_constant_result
-def _symmetric_ok(nbytes: int, dtype: torch.dtype, device_type: str, group_name: str) -> bool:
+def _choose(nbytes: int, dtype: torch.dtype, device_type: str, group_name: str, algorithm: str) -> str:
     """Host-side facts only: under torch.compile, a constant of the graph."""
-    from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
+    if algorithm not in REQUESTS:
+        raise ValueError(f"all-reduce algorithm {algorithm!r}: expected one of {REQUESTS}")
+    words = nbytes > 0 and nbytes % 4 == 0  # the kernels move 4-byte words
+    if algorithm == "nccl" or not (words and _symmetric_group(dtype, device_type, group_name)):
+        return "nccl"
+    world = _group_size(group_name)
+    if algorithm == "auto":
+        table = _table(world)
+        return "nccl" if table is None else table.choose(nbytes, dtype)
+    if algorithm == "symm_mem":
+        if nbytes > SYMM_MAX_BYTES:
+            return "nccl"
+        return "two_shot" if nbytes > ONE_SHOT_MAX_BYTES and world in _TWO_SHOT_WORLDS else "one_shot"
+    return algorithm
 
-    if not (device_type == "cuda" and dtype in SYMM_DTYPES and 0 < nbytes <= SYMM_MAX_BYTES
-            and nbytes % 4 == 0):  # the kernels move at least 4-byte words
-        return False
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    one_host = group.size() <= int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-    return (
-        one_host
-        and "nccl" in str(dist.get_backend(group))  # "nccl", or "cpu:gloo,cuda:nccl"
-        and is_symm_mem_enabled_for_group(group_name)
-    )
+
+def symmetric_max_bytes(
+    dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup, algorithm: str = "auto",
+) -> int:
+    """The largest all-reduce of ``dtype`` on ``device``, in bytes, that ``algorithm`` (one of
+    ``POLICIES``) runs through symmetric memory in ``group``; 0 if none."""
+    if algorithm not in POLICIES:
+        raise ValueError(f"all-reduce policy {algorithm!r}: expected one of {POLICIES}")
+    if algorithm == "nccl" or not _symmetric_group(dtype, device.type, group.group_name):
+        return 0
+    if algorithm == "symm_mem":
+        return SYMM_MAX_BYTES
+    table = _table(group.size())
+    return 0 if table is None else table.largest_symmetric(dtype)
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum of ``x`` over ``group``'s ranks, as a new tensor. Runs on the current stream;
-    every rank must call it with the same shape and dtype. Traceable (``fullgraph=True``)."""
-    if not uses_symmetric_memory(x, group):
-        return funcol.all_reduce(x, "sum", group)
-    x = x.contiguous()
-    if torch.compiler.is_compiling():
-        return torch.ops.recpipe.symm_all_reduce(x, group.group_name)  # lowered: see above
-    return torch.ops.recpipe.symm_all_reduce_copy(x, group.group_name)
+def all_reduce_flat(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "auto",
+) -> torch.Tensor:
+    """The sum over ``group``'s ranks of the flattened ``tensors`` (one dtype and device),
+    concatenated: a new 1-D tensor. ``algorithm``: one of ``REQUESTS``. Runs on the current
+    stream; every rank must call it with the same shapes and dtype. Traceable
+    (``fullgraph=True``)."""
+    flat = [t.reshape(-1) for t in tensors]
+    nbytes = sum(t.numel() for t in flat) * flat[0].element_size()
+    chosen = _choose(nbytes, flat[0].dtype, flat[0].device.type, group.group_name, algorithm)
+    if chosen == "two_shot" or (chosen == "one_shot" and not torch.compiler.is_compiling()):
+        return torch.ops.recpipe.symm_all_reduce_copy(flat, group.group_name, chosen)
+    whole = flat[0] if len(flat) == 1 else torch.cat(flat)
+    if chosen == "nccl":
+        return funcol.all_reduce(whole, "sum", group)
+    return torch.ops.recpipe.symm_all_reduce(whole, group.group_name)  # compiled one-shot: lowered
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, algorithm: str = "auto") -> torch.Tensor:
+    """The sum of ``x`` over ``group``'s ranks, as a new tensor of ``x``'s shape: see
+    :func:`all_reduce_flat`."""
+    return all_reduce_flat([x], group, algorithm).view(x.shape)
 
 
 @contextmanager

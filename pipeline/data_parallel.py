@@ -1,25 +1,32 @@
 """Dense-gradient all-reduce for DistributedModelParallel without DDP: bucketed, overlapped with
-backward, through :func:`recpipe.ops.all_reduce.all_reduce_sum` (symmetric memory on one NVLink
-host, else functional collectives: NCCL, or gloo on CPU), optionally ``torch.compile``'d.
+backward, through :func:`recpipe.ops.all_reduce.all_reduce_flat` (NCCL, or symmetric memory on
+one NVLink host; gloo on CPU), optionally ``torch.compile``'d.
 
 Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce())``.
 
 Each bucket is a group of dense (unsharded) parameters of one dtype, in reverse registration
 order (about the order backward produces their grads), up to ``bucket_cap_mb``. A
 ``post_accumulate_grad`` hook counts the bucket's ready grads; when the last one lands, the
-bucket's grads are flattened, summed across ranks, divided by the world size and copied back
-in place, while backward goes on. The reduction runs on the current stream (main), so the
+bucket's grads are summed across ranks as one flat tensor, divided by the world size and copied
+back in place, while backward goes on. The reduction runs on the current stream (main), so the
 optimizer, queued after backward, reads reduced grads.
 
-With ``symm_mem=True`` (CUDA, NCCL group on one host) symmetric memory is enabled for the group
-and each bucket's reduction is compiled with static shapes through
+``algorithm`` picks each bucket's all-reduce (:data:`~recpipe.ops.all_reduce.POLICIES`):
+``"nccl"``; ``"auto"``, NCCL or a symmetric-memory algorithm, whichever the measured table of
+:mod:`recpipe.ops.all_reduce_table` says is fastest for the bucket's size (never slower than
+NCCL on its measurements); ``"symm_mem"``, symmetric memory for every bucket it can reduce.
+The latter two enable symmetric memory for the group when it can be used there (CUDA, an NCCL
+group, ``node_local``), lower the bucket cap to the largest bucket they reduce through it, and
+compile each bucket's reduction with static shapes through
 :func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then allocates the bucket's flat
-gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it there with no
-extra copy. Buckets above ``SYMM_MAX_BYTES`` or of other dtypes go through NCCL.
+gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it one-shot there
+with no extra copy. :meth:`BucketedAllReduce.plan` says what each bucket runs.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -28,17 +35,28 @@ from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from recpipe.ops.all_reduce import SYMM_MAX_BYTES, all_reduce_sum, compile_symmetric
+from recpipe.ops.all_reduce import (
+    POLICIES,
+    all_reduce_flat,
+    choose_algorithm,
+    compile_symmetric,
+    symmetric_max_bytes,
+)
 
-Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup], list[torch.Tensor]]
+log = logging.getLogger(__name__)
+
+#: ``reduce(grads, group, algorithm)``: ``algorithm`` is the wrapper's, one of ``POLICIES``
+Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup, str], list[torch.Tensor]]
 _RECOMPILE_LIMIT = 1024  # graphs of the reduction per process: one per bucket shape
 
 
-def mean_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def mean_all_reduce(
+    grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "auto",
+) -> list[torch.Tensor]:
     """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
-    flat all-reduce). Traceable by torch.compile."""
-    flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group)
-    flat = flat / dist.get_world_size(group)
+    flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`).
+    Traceable by torch.compile."""
+    flat = all_reduce_flat(grads, group, algorithm) / dist.get_world_size(group)
     return [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
 
@@ -51,6 +69,10 @@ class _Bucket:
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
     def _on_grad(self, param: nn.Parameter) -> None:
         self.owner._backward_started()
         self.ready += 1
@@ -59,16 +81,19 @@ class _Bucket:
         self.ready = 0
         grads = [p.grad for p in self.params]
         with torch.no_grad():
-            torch._foreach_copy_(grads, self.reduce(grads, self.owner._group))
+            torch._foreach_copy_(grads, self.reduce(grads, self.owner._group, self.owner.algorithm))
 
 
-def _buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of one dtype and device, each up to ``cap_bytes`` (or one tensor)."""
+def _buckets(
+    params: list[nn.Parameter], cap_bytes: Callable[[torch.dtype], int],
+) -> list[list[nn.Parameter]]:
+    """Consecutive groups of one dtype and device, each up to ``cap_bytes(dtype)`` (or one
+    tensor)."""
     out: list[list[nn.Parameter]] = []
     size = 0
     for p in reversed(params):  # backward produces the last layers' grads first
         nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > cap_bytes or (out[-1][0].dtype, out[-1][0].device) != (
+        if not out or size + nbytes > cap_bytes(p.dtype) or (out[-1][0].dtype, out[-1][0].device) != (
             p.dtype, p.device,
         ):
             out.append([])
@@ -82,11 +107,15 @@ class BucketedAllReduce(DataParallelWrapper):
     """A torchrec ``DataParallelWrapper`` replacing DDP for the dense part of the model.
 
     Args:
-        bucket_cap_mb: bucket size (DDP's default is 25; with ``symm_mem`` at most
-            ``SYMM_MAX_BYTES``, the largest size it reduces through symmetric memory).
-        compile: reduce each bucket through ``torch.compile(fullgraph=True)``.
+        bucket_cap_mb: bucket size (DDP's default is 25); with ``"auto"`` or ``"symm_mem"`` at
+            most the largest bucket they reduce through symmetric memory, where they do (16 MiB
+            on 2 x H200).
+        compile: reduce each bucket through ``torch.compile(fullgraph=True)`` (always, unless
+            ``algorithm="nccl"``).
         reduce: the bucket reduction, :func:`mean_all_reduce` by default.
-        symm_mem: reduce through symmetric memory (compiled; see the module docstring).
+        algorithm: ``"nccl"``, ``"auto"`` or ``"symm_mem"`` (see the module docstring).
+        node_local: whether the group's ranks are all on one node; if not, symmetric memory
+            stays off and every bucket goes through NCCL.
     """
 
     def __init__(
@@ -94,37 +123,66 @@ class BucketedAllReduce(DataParallelWrapper):
         bucket_cap_mb: float = 25,
         compile: bool = False,
         reduce: Reduce = mean_all_reduce,
-        symm_mem: bool = False,
+        algorithm: str = "nccl",
+        node_local: bool = True,
     ) -> None:
+        if algorithm not in POLICIES:
+            raise ValueError(f"BucketedAllReduce(algorithm={algorithm!r}): expected one of {POLICIES}")
+        self.algorithm = algorithm
         self._cap = int(bucket_cap_mb * 2**20)
-        if symm_mem:  # larger buckets would go through NCCL
-            self._cap = min(self._cap, SYMM_MAX_BYTES)
-        self._symm_mem = symm_mem
-        self._compile = compile or symm_mem
+        self._compile = compile or algorithm != "nccl"
+        self._node_local = node_local
         self._reduce = reduce
         self._group: dist.ProcessGroup | None = None
         self._checking = False
         self.buckets: list[_Bucket] = []
 
-    def _bucket_reduce(self) -> Reduce:
+    def plan(self) -> list[tuple[int, str]]:
+        """Per bucket, in reduction order: its bytes and the all-reduce :func:`mean_all_reduce`
+        runs for it (``"nccl"``, ``"one_shot"`` or ``"two_shot"``). Empty before ``wrap``."""
+        return [
+            (b.nbytes, choose_algorithm(b.nbytes, b.params[0].dtype, b.params[0].device, self._group,
+                                        self.algorithm))
+            for b in self.buckets
+        ]
+
+    def _enable_symmetric_memory(self, group: dist.ProcessGroup, device: torch.device) -> bool:
+        """Enable symmetric memory for ``group`` if ``algorithm`` may use it and it can run there;
+        whether it did."""
+        if self.algorithm == "nccl":
+            return False
+        if not self._node_local:
+            log.info("BucketedAllReduce(algorithm=%r): the process group spans nodes, so every "
+                     "bucket goes through NCCL", self.algorithm)
+            return False
+        if device.type != "cuda" or dist.get_backend(group) != "nccl":
+            if self.algorithm == "symm_mem":
+                raise ValueError("BucketedAllReduce(algorithm='symm_mem') needs CUDA and an NCCL group")
+            return False  # "auto": NCCL (gloo on CPU)
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+        return True
+
+    def _bucket_reduce(self, symmetric: bool) -> Reduce:
         """The reduction of one bucket. Compiled: static shapes (symmetric buffers cannot have
         dynamic ones), so one graph per bucket; dynamo keeps the graphs of one function
         together (over every wrapper in the process), so its recompile limit is raised for
         these calls: with ``fullgraph=True`` reaching it would be an error."""
         if not self._compile:
             return self._reduce
-        if self._symm_mem:
+        if symmetric:
             compiled = compile_symmetric(self._reduce)
         else:
             compiled = torch.compile(self._reduce, fullgraph=True, dynamic=False)
 
-        def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+        def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
             # Set and restored by hand: ``config.patch`` costs ~250 us per call (per bucket
             # and step, in backward), this ~4 us.
             config = torch._dynamo.config
             saved, config.recompile_limit = config.recompile_limit, _RECOMPILE_LIMIT
             try:
-                return compiled(grads, group)
+                return compiled(grads, group, algorithm)
             finally:
                 config.recompile_limit = saved
 
@@ -151,12 +209,7 @@ class BucketedAllReduce(DataParallelWrapper):
         group = env.process_group
         if group is None:
             raise RuntimeError("BucketedAllReduce needs a ProcessGroup-based ShardingEnv")
-        if self._symm_mem:
-            if device.type != "cuda" or dist.get_backend(group) != "nccl":
-                raise ValueError("BucketedAllReduce(symm_mem=True) needs CUDA and an NCCL group")
-            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-            enable_symm_mem_for_group(group.group_name)
+        symmetric = self._enable_symmetric_memory(group, device)
         module = dmp._dmp_wrapped_module
         sharded = set(DistributedModelParallel._sharded_parameter_names(module))
         dense = [p for n, p in module.named_parameters() if n not in sharded and p.requires_grad]
@@ -164,4 +217,10 @@ class BucketedAllReduce(DataParallelWrapper):
             for p in dense:
                 dist.broadcast(p, src=dist.get_global_rank(group, 0), group=group)
         self._group = group
-        self.buckets = [_Bucket(b, self, self._bucket_reduce()) for b in _buckets(dense, self._cap)]
+
+        @functools.cache
+        def cap(dtype: torch.dtype) -> int:  # the bucket cap, or the largest symmetric bucket
+            return min(self._cap, symmetric_max_bytes(dtype, device, group, self.algorithm) or self._cap)
+
+        reduce = self._bucket_reduce(symmetric)
+        self.buckets = [_Bucket(b, self, reduce) for b in _buckets(dense, cap)]

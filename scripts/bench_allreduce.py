@@ -1,24 +1,33 @@
-"""Dense all-reduce latency: NCCL (c10d) vs symmetric memory (eager, copy counted) vs recpipe's
-compiled path.
+"""Dense all-reduce latency: NCCL (c10d) vs symmetric memory one-shot and two-shot (eager and
+compiled) vs recpipe's default (``algorithm="auto"``); ``--write-table`` keeps the measurements
+as this machine's all-reduce table (``recpipe.ops.all_reduce_table``), which ``"auto"`` reads.
 
     torchrun --nproc-per-node=2 scripts/bench_allreduce.py                 # 2 GPUs
+    torchrun --nproc-per-node=2 scripts/bench_allreduce.py --write-table   # ... and keep the table
     torchrun --nproc-per-node=2 scripts/bench_allreduce.py --sizes 4K,1M   # CPU/gloo: nccl (gloo), compiled
 
-Every variant reduces what a gradient bucket is: ``cat`` of 4 chunks, summed over ranks (the
-``cat`` is counted everywhere, as bucketing needs it):
+Every variant reduces what a gradient bucket is: 4 chunks, concatenated and summed over ranks
+(the concatenation is counted everywhere, as bucketing needs it):
 
 - ``nccl``: ``torch.cat`` + ``dist.all_reduce`` (gloo on CPU);
-- ``symm_one_shot`` / ``symm_two_shot`` (CUDA): ``torch.cat(out=)`` into a persistent
-  symmetric buffer + ``symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_out``: what an
-  eager caller pays;
-- ``compiled``: ``recpipe.ops.all_reduce.compile_symmetric`` of cat + ``all_reduce_sum``: on
-  CUDA the cat writes straight into symmetric memory (no copy) up to ``SYMM_MAX_BYTES``, NCCL
-  above; on CPU, gloo.
+- ``symm_one_shot`` / ``symm_two_shot`` (CUDA): ``all_reduce_flat(chunks, algorithm=...)``,
+  eager: ``torch.cat(out=)`` into the persistent symmetric buffer + ``one_shot_all_reduce`` /
+  ``two_shot_all_reduce_out`` (compiled two-shot runs the same);
+- ``compiled_one_shot`` (CUDA): ``compile_symmetric`` of the same: the cat writes straight into
+  symmetric memory, reduced there (no copy);
+- ``compiled``: ``compile_symmetric`` of ``all_reduce_flat(chunks)``, ``"auto"``: what
+  ``BucketedAllReduce(algorithm="auto")`` runs (on CPU, gloo).
 
 Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls, each after a barrier
 and timed with CUDA events behind a spin kernel (:func:`time_us`; wall clock on CPU), variants
 interleaved; bus bandwidth ``2 (n-1)/n * bytes / time``;
 the ratio to ``nccl``. Rank 0 prints a markdown table. Multicast stays off.
+
+``--write-table`` (CUDA): rank 0 writes the P50s to ``all_reduce_table.cache_path(machine)``
+(``<dir>/<gpu>-w<world>-torch<version>-nccl<version>.json``, ``<dir>``: ``$RECPIPE_ALL_REDUCE_CACHE``,
+else ``$XDG_CACHE_HOME/recpipe/all_reduce``, by default ``~/.cache/recpipe/all_reduce``):
+``nccl``; ``one_shot``, the slower of ``symm_one_shot`` (a copy, as for a one-tensor bucket) and
+``compiled_one_shot`` (in place); ``two_shot``, ``symm_two_shot``.
 """
 
 from __future__ import annotations
@@ -34,7 +43,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from gpu_timing import device_ms
-from recpipe.ops.all_reduce import all_reduce_sum, compile_symmetric, symmetric_buffer
+from recpipe.ops.all_reduce import all_reduce_flat, compile_symmetric
+from recpipe.ops.all_reduce_table import (
+    Latencies,
+    LatencyTable,
+    Machine,
+    cache_path,
+    dtype_name,
+    local_machine,
+    write_table,
+)
 from recpipe.pipeline.launch import rank_backend_device
 
 UNITS = {"K": 2**10, "M": 2**20}
@@ -55,31 +73,35 @@ def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.
         dist.all_reduce(flat, group=group)
         return flat
 
+    def compiled(algorithm: str):
+        fn = compile_symmetric(lambda *cs: all_reduce_flat(cs, group, algorithm))
+        return lambda: fn(*chunks)
+
     out["nccl"] = nccl
     if device.type == "cuda":
-        name = group.group_name
-
-        def one_shot():
-            buf = symmetric_buffer(n, dtype, device, name)
-            torch.cat(chunks, out=buf)
-            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
-
-        def two_shot():
-            buf = symmetric_buffer(n, dtype, device, name)
-            torch.cat(chunks, out=buf)
-            out = torch.empty_like(buf)
-            return torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", name, out)
-
-        out["symm_one_shot"] = one_shot
+        out["symm_one_shot"] = lambda: all_reduce_flat(chunks, group, "one_shot")
         if dist.get_world_size(group) in (2, 4, 8):
-            out["symm_two_shot"] = two_shot
-    compiled = compile_symmetric(lambda *cs: all_reduce_sum(torch.cat(cs), group))
-
-    def comp():
-        return compiled(*chunks)
-
-    out["compiled"] = comp
+            out["symm_two_shot"] = lambda: all_reduce_flat(chunks, group, "two_shot")
+        out["compiled_one_shot"] = compiled("one_shot")
+    out["compiled"] = compiled("auto")
     return chunks, out
+
+
+#: the table's algorithms: the slowest of the variants that run each
+TABLE_VARIANTS = {"nccl": ("nccl",), "one_shot": ("symm_one_shot", "compiled_one_shot"),
+                  "two_shot": ("symm_two_shot",)}
+
+
+def latency_table(records: list[dict], machine: Machine) -> LatencyTable:
+    """``machine``'s table from the bench's rows (``records``)."""
+    p50 = {(r["dtype"], r["bytes"], r["variant"]): r["p50_us"] for r in records}
+    dtypes = {}
+    for dtype in dict.fromkeys(d for d, _, _ in p50):
+        sizes = sorted({b for d, b, _ in p50 if d == dtype})
+        us = {a: tuple(max(p50[dtype, b, v] for v in vs) for b in sizes)
+              for a, vs in TABLE_VARIANTS.items() if all((dtype, sizes[0], v) in p50 for v in vs)}
+        dtypes[dtype] = Latencies(tuple(sizes), us)
+    return LatencyTable(machine, dtypes, note="scripts/bench_allreduce.py --write-table")
 
 
 _SPIN_CYCLES = 1_000_000  # ~0.5 ms: longer than the host time of any call here
@@ -105,17 +127,21 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the rows here (rank 0)")
+    p.add_argument("--write-table", action="store_true",
+                   help="write the P50s as this machine's all-reduce table (CUDA; rank 0)")
     a = p.parse_args()
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    # One compiled function per (size, dtype), all from one lambda: dynamo keeps their graphs
-    # together, so allow one graph each.
-    torch._dynamo.config.recompile_limit = 64
+    # One compiled function per (size, dtype, algorithm), all from one lambda: dynamo keeps their
+    # graphs together, so allow one graph each.
+    torch._dynamo.config.recompile_limit = 256
     backend, device = rank_backend_device(int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
+    elif a.write_table:
+        p.error("--write-table needs CUDA: the table is of GPU all-reduces")
     dist.init_process_group(backend)
     group = dist.group.WORLD
     world = dist.get_world_size()
@@ -124,8 +150,8 @@ def main() -> None:
 
         enable_symm_mem_for_group(group.group_name)
     rows, records = [], []
-    for dtype_name in a.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
+    for dtype in [getattr(torch, d) for d in a.dtypes.split(",")]:
+        dname = dtype_name(dtype)
         for size in a.sizes.split(","):
             nbytes = parse_size(size)
             chunks, fns = variants(nbytes, dtype, device, group)
@@ -145,9 +171,9 @@ def main() -> None:
                 xs = sorted(xs)
                 med = statistics.median(xs)
                 busbw = 2 * (world - 1) / world * nbytes / (med * 1e-6) / 1e9
-                rows.append(f"| {dtype_name} | {size} | {k} | {med:.1f} | {xs[len(xs) // 10]:.1f}-"
+                rows.append(f"| {dname} | {size} | {k} | {med:.1f} | {xs[len(xs) // 10]:.1f}-"
                             f"{xs[9 * len(xs) // 10]:.1f} | {busbw:.1f} | {med / base:.2f}x |")
-                records.append(dict(dtype=dtype_name, bytes=nbytes, variant=k, p50_us=med,
+                records.append(dict(dtype=dname, bytes=nbytes, variant=k, p50_us=med,
                                     busbw=busbw, vs_nccl=med / base))
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -158,6 +184,10 @@ def main() -> None:
         print("| dtype | bucket | variant | P50 us | P10-P90 us | bus GB/s | vs nccl |")
         print("|---|---|---|---|---|---|---|")
         print("\n".join(rows))
+        if a.write_table:
+            table = latency_table(records, local_machine(world))
+            write_table(table, cache_path(table.machine))
+            print(f"\nwrote {cache_path(table.machine)}")
     dist.destroy_process_group()
 
 

@@ -182,7 +182,7 @@ PIPELINES = {
 # all-reduce through NCCL (gloo on CPU), or through symmetric memory (CUDA, one host).
 DENSE_ALLREDUCE = {
     "recpipe_nccl_ar": lambda: BucketedAllReduce(compile=True),
-    "recpipe_symm_ar": lambda: BucketedAllReduce(symm_mem=True),
+    "recpipe_symm_ar": lambda: BucketedAllReduce(algorithm="symm_mem"),
 }
 
 

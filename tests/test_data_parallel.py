@@ -1,14 +1,23 @@
 """BucketedAllReduce (dense grads without DDP) against torchrec's default DDP, on 2 ranks (gloo on
-CPU; NCCL, and symmetric memory, on 2 GPUs)."""
+CPU; NCCL, and symmetric memory, on 2 GPUs); on one rank in the test's process: no recompiles,
+the bucket plan, and what needs CUDA or one node."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import run_ranks
+from group_fixtures import local_group_fixture, symmetric_h200_fixture  # noqa: F401 (fixtures)
+from torch import nn
+from torch._dynamo.utils import counters
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv
 
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.data_parallel import BucketedAllReduce, _buckets
+from recpipe.pipeline.data_parallel import BucketedAllReduce, _Bucket, _buckets
 from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 100
@@ -19,7 +28,7 @@ def _train(rank: int, world: int, device: torch.device, variant: str) -> list[fl
         "ddp": None,
         "bucketed": BucketedAllReduce(bucket_cap_mb=0.01),  # several buckets
         "bucketed_compiled": BucketedAllReduce(bucket_cap_mb=0.01, compile=True),
-        "symm_mem": BucketedAllReduce(bucket_cap_mb=0.01, symm_mem=True),
+        "symm_mem": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="symm_mem"),
     }[variant]
     spec = ModelSpec()
     model, optimizer = build_sharded(
@@ -51,34 +60,89 @@ def test_losses_match_ddp(variant: str) -> None:
 
 def test_buckets_split_by_size_and_dtype() -> None:
     ps = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
-          [(10, torch.float32), (10, torch.float32), (300, torch.float32), (4, torch.float64)]]
-    groups = _buckets(ps, cap_bytes=1000)
-    assert [[p.numel() for p in g] for g in groups] == [[4], [300], [10, 10]]
+          [(10, torch.float32), (10, torch.float32), (300, torch.float32), (4, torch.float64),
+           (4, torch.float64)]]
+    groups = _buckets(ps, cap_bytes=lambda dtype: 1000 if dtype == torch.float32 else 40)
+    assert [[p.numel() for p in g] for g in groups] == [[4], [4], [300], [10, 10]]
 
 
 def test_unused_parameter_is_an_error() -> None:
     lin, unused = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
     wrapper = BucketedAllReduce()
-    wrapper.buckets = []
-    from recpipe.pipeline.data_parallel import _Bucket
-
     wrapper.buckets = [
-        _Bucket(list(lin.parameters()) + list(unused.parameters()), wrapper, lambda grads, group: grads)
+        _Bucket(list(lin.parameters()) + list(unused.parameters()), wrapper, lambda grads, group, a: grads)
     ]
     with pytest.raises(RuntimeError, match="got no gradient"):
         lin(torch.ones(2, 3)).sum().backward()
 
 
-def _symm_mem_on_cpu(rank: int, world: int, device: torch.device) -> str:
+STEPS_ONE_RANK = 8
+
+
+@pytest.mark.parametrize("algorithm", ["nccl", "auto"])
+def test_compiled_buckets_never_recompile(local_group: dist.ProcessGroup, algorithm: str) -> None:
+    """Training compiles one graph per bucket in its first step, then none: a recompile after
+    step 3 fails. A bucket of a new shape does add a graph (the count would see one)."""
     spec = ModelSpec(weighted=False, sequence=False)
-    try:
-        build_sharded(spec, ["table_wise"], device, torch.distributed.group.WORLD,
-                      data_parallel=BucketedAllReduce(symm_mem=True))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    wrapper = BucketedAllReduce(bucket_cap_mb=0.01, compile=True, algorithm=algorithm)  # 3 buckets
+    device = torch.device("cpu")
+    model, optimizer = build_sharded(spec, ["table_wise"], device, local_group, data_parallel=wrapper)
+    assert len(wrapper.buckets) > 1 and wrapper.plan() == [(b.nbytes, "nccl") for b in wrapper.buckets]
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)
+    it = batches(spec, STEPS_ONE_RANK, 0, seed=3)
+    before = counters["stats"]["unique_graphs"]
+    graphs = []
+    for _ in range(STEPS_ONE_RANK):
+        pipeline.progress(it)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[2:] == [len(wrapper.buckets)] * (STEPS_ONE_RANK - 2), graphs
+    wrapper.buckets[0].reduce([torch.ones(3)], local_group, algorithm)
+    assert counters["stats"]["unique_graphs"] - before == len(wrapper.buckets) + 1
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
-def test_symm_mem_needs_cuda_and_nccl() -> None:
-    assert run_ranks(1, _symm_mem_on_cpu) == ["BucketedAllReduce(symm_mem=True) needs CUDA and an NCCL group"]
+def _dense_dmp(wrapper: BucketedAllReduce, group: dist.ProcessGroup) -> DistributedModelParallel:
+    """20 MiB of fp32 Linear layers after a tiny fp64 one, data-parallel through ``wrapper``."""
+    model = nn.Sequential(nn.Linear(4, 4).double(), *[nn.Linear(1024, 1024) for _ in range(5)])
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(group),
+                                    device=torch.device("cpu"), data_parallel_wrapper=wrapper)
+
+
+@pytest.mark.usefixtures("symmetric_h200")
+def test_plan_caps_buckets_where_symmetric_memory_wins(local_group: dist.ProcessGroup) -> None:
+    """On the 2 x H200 table, auto caps fp32 buckets at 16 MiB (two-shot); NCCL keeps 25 MiB."""
+    K, M = 1 << 10, 1 << 20
+    fp64 = (4 * 4 + 4) * 8
+    expected = {
+        "nccl": [(20 * M + 20 * K, "nccl"), (fp64, "nccl")],
+        "auto": [(12 * M + 16 * K, "two_shot"), (8 * M + 4 * K, "two_shot"), (fp64, "nccl")],
+        "symm_mem": [(12 * M + 16 * K, "two_shot"), (8 * M + 4 * K, "two_shot"), (fp64, "nccl")],
+    }
+    for algorithm, plan in expected.items():
+        wrapper = BucketedAllReduce(algorithm=algorithm)
+        wrapper._enable_symmetric_memory = lambda group, device: algorithm != "nccl"  # as on GPUs
+        _dense_dmp(wrapper, local_group)
+        assert wrapper.plan() == plan, algorithm
+
+
+def test_symm_mem_needs_cuda_and_nccl(local_group: dist.ProcessGroup) -> None:
+    message = r"^BucketedAllReduce\(algorithm='symm_mem'\) needs CUDA and an NCCL group$"
+    with pytest.raises(ValueError, match=message):
+        _dense_dmp(BucketedAllReduce(algorithm="symm_mem"), local_group)
+
+
+def test_a_group_across_nodes_goes_through_nccl(
+    local_group: dist.ProcessGroup, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``node_local=False``: symmetric memory is not even tried (which would need CUDA here)."""
+    wrapper = BucketedAllReduce(algorithm="symm_mem", node_local=False)
+    with caplog.at_level(logging.INFO, logger="recpipe.pipeline.data_parallel"):
+        _dense_dmp(wrapper, local_group)
+    assert [r.getMessage() for r in caplog.records if r.name == "recpipe.pipeline.data_parallel"] == [
+        "BucketedAllReduce(algorithm='symm_mem'): the process group spans nodes, so every bucket "
+        "goes through NCCL"]
+    assert {a for _, a in wrapper.plan()} == {"nccl"}
+
+
+def test_unknown_algorithm_is_an_error() -> None:
+    with pytest.raises(ValueError, match="expected one of"):
+        BucketedAllReduce(algorithm="one_shot")

@@ -63,7 +63,9 @@ class PipelineConfig:
     name: str = "recpipe"  # recpipe | torchrec
     # dense-gradient all-reduce: ddp (torchrec's default) | nccl (recpipe's bucketed all-reduce,
     # compiled, through functional collectives: NCCL, gloo on CPU) | symm_mem (the same through
-    # symmetric memory; CUDA, one host) | auto (symm_mem on CUDA, else nccl)
+    # symmetric memory; CUDA, inside one node) | auto (per bucket, the fastest of NCCL and the
+    # symmetric algorithms in the machine's measured table, recpipe.ops.all_reduce_table; NCCL
+    # where nothing was measured)
     dense_allreduce: str = "ddp"
 
 

@@ -37,6 +37,7 @@ from recpipe.pipeline.app.config import TrainConfig, UsageError, save_yaml
 from recpipe.pipeline.app.data import DataSource, make_source
 from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist as RecpipePipeline
 from recpipe.pipeline.synthetic import build_sharded, deterministic_kernels
+from recpipe.pipeline.topology import group_is_node_local, node_layout, planner_topology
 
 PIPELINES = {"torchrec": TorchrecPipeline, "recpipe": RecpipePipeline}
 
@@ -97,7 +98,8 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
         if dist.get_rank() == 0:
             os.makedirs(out, exist_ok=True)
             save_yaml(cfg, os.path.join(out, "config.yaml"))
-            log.info("run dir: %s  (world size %d, %s)", out, dist.get_world_size(), device)
+            log.info("run dir: %s  (world size %d: %s, %s)", out, dist.get_world_size(),
+                     trainer.layout, device)
         return trainer.run(out, ckpt if t.checkpoint else None)
 
 
@@ -137,20 +139,25 @@ class _Trainer:
         """Build the model; load ``ckpt.resume`` if there is one."""
         self.cfg, self.device, self.signals = cfg, device, signals
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout = node_layout(self.world)
         t = cfg.trainer
         self.source: DataSource = make_source(cfg)
         allreduce = cfg.pipeline.dense_allreduce
-        if allreduce == "auto":
-            allreduce = "symm_mem" if device.type == "cuda" and self.world > 1 else "nccl"
         data_parallel = None  # torchrec's DDP
         if allreduce != "ddp":  # imported here: it loads inductor (2 s), for these runs only
             from recpipe.pipeline.data_parallel import BucketedAllReduce
 
-            data_parallel = BucketedAllReduce(compile=True, symm_mem=allreduce == "symm_mem")
+            node_local = group_is_node_local(self.layout, dist.group.WORLD)
+            data_parallel = BucketedAllReduce(compile=True, algorithm=allreduce, node_local=node_local)
+        hw = cfg.hardware
+        topology = planner_topology(self.layout, device, hw.intra_node_gb_s, hw.inter_node_gb_s)
         self.model, self.optimizer = build_sharded(
             self.source.spec, list(cfg.sharding.types), device, dist.group.WORLD, lr=t.lr,
-            seed=t.seed, optimizer=t.optimizer, data_parallel=data_parallel,
+            seed=t.seed, optimizer=t.optimizer, data_parallel=data_parallel, topology=topology,
         )
+        if data_parallel is not None and self.rank == 0:
+            log.info("dense all-reduce %s, buckets (bytes, algorithm): %s", allreduce,
+                     data_parallel.plan())
         resume = ckpt.resume if ckpt else None
         self.start = self.saved = resume.step if resume else 0
         if resume:
