@@ -63,3 +63,15 @@ def test_bench_allreduce_prints_a_row_per_variant(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [x["variant"] for x in rows] == ["nccl", "compiled"] and rows[0]["vs_nccl"] == 1.0
+
+
+def test_plot_allreduce_shows_auto_never_above_nccl_on_the_shipped_table(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPTS / "plot_allreduce.py"), "--plot",
+                        str(tmp_path / "ar.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [x.split(" | ") for x in r.stdout.splitlines() if x.startswith("| ") and ("MiB" in x or "KiB" in x)]
+    picks = {row[0].strip("| "): (row[4], float(row[5].strip(" x|"))) for row in rows}
+    assert picks["1 MiB"][0] == "nccl" and picks["2 MiB"][0] == "two_shot"
+    assert picks["16 MiB"][0] == "two_shot" and picks["64 MiB"][0] == "nccl"
+    assert all(ratio <= 1.0 for _, ratio in picks.values()) and len(picks) == 8
+    assert (tmp_path / "ar.png").stat().st_size > 10_000
