@@ -96,8 +96,8 @@ def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.stepz=3", "Key 'stepz' not in 'TrainerConfig'"),  # Hydra's
-        ("trainer.lr=fast", "trainer.lr"),  # Hydra's
+        ("trainer.stepz=3", "error: Could not override 'trainer.stepz': Key 'stepz' not in 'TrainerConfig'"),
+        ("trainer.lr=fast", "error: Error merging override trainer.lr=fast: Value 'fast' of type 'str'"),
         ("trainer.steps=0", "error: trainer.steps=0: must be > 0"),
         ("trainer.optimizer=adam", "error: trainer.optimizer='adam': expected one of sgd, adagrad"),
         ("sharding.types=[diagonal]", "error: sharding.types='diagonal'"),
@@ -137,6 +137,14 @@ def test_values_and_options_this_machine_cannot_run_are_refused(override: str, m
     """Before torchrec is called (scripts/train.py prints these as the ``error:`` lines above)."""
     with pytest.raises(UsageError, match=re.escape(message)):
         config(override)
+
+
+def test_nodes_of_unequal_size_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun --nproc-per-node=2 here, 1 elsewhere
+    with pytest.raises(UsageError, match="3 ranks do not split into nodes of LOCAL_WORLD_SIZE=2: "
+                                         "launch the same --nproc-per-node on every node"):
+        config()
 
 
 def test_torchrun_two_ranks_both_pipelines_agree(tmp_path: Path) -> None:
