@@ -55,6 +55,9 @@ CONFIGS = {
     "large": ModelSpec(num_tables=32, rows=200_000, dim=128, batch_size=16384, pooling=256,
                        weighted=False, sequence=False),
     "tiny": ModelSpec(num_tables=4, rows=1000, dim=16, batch_size=64, pooling=4),
+    # the Hydra model=dense_heavy: 8 tables, a 59M-parameter over-arch (236 MB of fp32 grads)
+    "dense_heavy": ModelSpec(num_tables=8, rows=200_000, dim=128, batch_size=4096, pooling=40,
+                             weighted=False, sequence=False, over_arch=(4096, 4096, 4096, 4096, 1024)),
 }
 
 
@@ -177,12 +180,15 @@ PIPELINES = {
     "recpipe_scoped_mode": RecpipeScopedMode,
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
+    "recpipe_auto_ar": RecpipePipeline,
 }
 # The dense part's gradient all-reduce (default: torchrec's DDP): recpipe's compiled bucketed
-# all-reduce through NCCL (gloo on CPU), or through symmetric memory (CUDA, one host).
+# all-reduce through NCCL (gloo on CPU), through symmetric memory (CUDA, one host), or per bucket
+# the fastest of the two in the machine's measured table (recpipe.ops.all_reduce_table).
 DENSE_ALLREDUCE = {
     "recpipe_nccl_ar": lambda: BucketedAllReduce(compile=True),
     "recpipe_symm_ar": lambda: BucketedAllReduce(algorithm="symm_mem"),
+    "recpipe_auto_ar": lambda: BucketedAllReduce(algorithm="auto"),
 }
 
 

@@ -7,7 +7,9 @@
 #   bash scripts/gpu_checks.sh pipeline-shared  # 1 GPU: 2 gloo ranks share it (P2 on CUDA)
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: allreduce-checks + allreduce-bench
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
-#        allreduce-bench: step time with each dense all-reduce, 5 alternating runs
+#        allreduce-bench: step time with each dense all-reduce, 5 alternating runs, small and
+#        dense_heavy configs
+#   bash scripts/gpu_checks.sh allreduce-profile  # >= 2 GPUs: traces + recompiles, DDP vs symm/auto
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh multinode  # 2 GPUs as 2 torchrun "nodes" of 1 vs 1 node of 2
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
@@ -74,20 +76,29 @@ case "${1:-}" in
       2>&1 | tee "$out/allreduce_tests.log" | tail -3
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^\||^###|rror"
-    for v in ddp nccl symm_mem; do
+    for v in ddp nccl symm_mem auto; do
       python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/train.py hardware=cuda \
         data=synthetic model=large pipeline.dense_allreduce=$v trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false \
         output_dir="$out/allreduce-$v" 2>&1 | tee "$out/allreduce-$v.log" | grep -E "rror" | tail -3
     done
-    for v in nccl symm_mem; do
+    for v in nccl symm_mem auto; do
       python3 scripts/compare_metrics.py "$out"/allreduce-ddp/*/metrics.jsonl \
         "$out"/allreduce-$v/*/metrics.jsonl --rtol 1e-5
     done
     ;;&
-  allreduce|allreduce-bench)  # the step time with each dense all-reduce (DDP = plain recpipe)
-    python3 scripts/bench_pipeline.py --config small --repeats "${REPEATS:-5}" --sharding "$sharding" \
-      --pipelines recpipe,recpipe_nccl_ar,recpipe_symm_ar --json "$out/dense-$ngpu.json" \
-      --out "$out/dense.md" 2>&1 | tee "$out/dense.log" | grep -E "^\||vs|identical|^###|rror"
+  allreduce|allreduce-bench)  # the step time with each dense all-reduce (DDP = plain recpipe),
+    # on the small config and the dense-heavy one
+    for c in small dense_heavy; do
+      python3 scripts/bench_pipeline.py --config $c --repeats "${REPEATS:-5}" --sharding "$sharding" \
+        --pipelines recpipe,recpipe_nccl_ar,recpipe_symm_ar,recpipe_auto_ar --json "$out/dense-$c-$ngpu.json" \
+        --out "$out/dense-$c.md" 2>&1 | tee "$out/dense-$c.log" | grep -E "^\||vs|identical|^###|rror"
+    done
+    ;;
+  allreduce-profile)  # >= 2 GPUs: host and device timelines (torch.profiler, stacks) and dynamo
+    # recompiles of DDP vs the symmetric-memory and auto buckets, small config, 1 run each
+    TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --config small --repeats 1 \
+      --sharding "$sharding" --pipelines recpipe,recpipe_symm_ar,recpipe_auto_ar \
+      --profile "$out/profile" 2>&1 | tee "$out/profile.log" | grep -E "^\||vs|ecompil|rror"
     ;;
   allreduce-checks) ;;
   train)  # torchrun training on MovieLens-100k (carry data/: scripts/prepare_movielens.py makes
@@ -131,5 +142,5 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench]|train|multinode|scaling" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling" >&2; exit 2 ;;
 esac

@@ -46,12 +46,12 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_bench_pipeline_runs_every_dense_allreduce_variant(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     r = _run(str(SCRIPTS / "bench_pipeline.py"), "--config=tiny", "--nproc=1", "--repeats=1",
-             "--warmup=1", "--steps=3", "--pipelines=torchrec,recpipe,recpipe_nccl_ar",
+             "--warmup=1", "--steps=3", "--pipelines=torchrec,recpipe,recpipe_nccl_ar,recpipe_auto_ar",
              f"--data-dir={tmp_path}", f"--json={out}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "losses bit-identical across all 3 runs: True" in r.stdout
+    assert "losses bit-identical across all 4 runs: True" in r.stdout
     runs = json.loads(out.read_text())["runs"]
-    assert list(runs) == ["torchrec", "recpipe", "recpipe_nccl_ar"]
+    assert list(runs) == ["torchrec", "recpipe", "recpipe_nccl_ar", "recpipe_auto_ar"]
     assert all(len(rs[0]["ms"]) == 3 for rs in runs.values())
 
 
