@@ -69,7 +69,8 @@ def test_plot_allreduce_shows_auto_never_above_nccl_on_the_shipped_table(tmp_pat
     r = subprocess.run([sys.executable, str(SCRIPTS / "plot_allreduce.py"), "--plot",
                         str(tmp_path / "ar.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    rows = [x.split(" | ") for x in r.stdout.splitlines() if x.startswith("| ") and ("MiB" in x or "KiB" in x)]
+    rows = [x.split(" | ") for x in r.stdout.splitlines()
+            if x.startswith("| ") and ("MiB" in x or "KiB" in x)]
     picks = {row[0].strip("| "): (row[4], float(row[5].strip(" x|"))) for row in rows}
     assert picks["1 MiB"][0] == "nccl" and picks["2 MiB"][0] == "two_shot"
     assert picks["16 MiB"][0] == "two_shot" and picks["64 MiB"][0] == "nccl"
