@@ -132,6 +132,8 @@ COMPOSE_ERRORS = {
                          "not be converted to Integer",
     "model=nope": "In 'train': Could not find 'model/nope': pick one of dense_heavy, large, "
                   "movielens, small",
+    "+foo=1": "no top-level config key 'foo': the keys are data, hardware, model, output_dir, "
+              "pipeline, sharding, trainer",
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from itertools import takewhile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -239,7 +239,7 @@ def composition_error(config_dir: str, config_name: str, overrides: list[str]) -
 
     try:
         with initialize_config_dir(config_dir, version_base=None):
-            compose(config_name, overrides)
+            cfg = compose(config_name, overrides)
     except (HydraException, OmegaConfBaseException) as e:
         lines = [x for x in str(e).splitlines() if x.strip()]
         if "Could not find" in lines[0]:  # an unknown group option: Hydra lists the group's
@@ -251,4 +251,9 @@ def composition_error(config_dir: str, config_name: str, overrides: list[str]) -
         if cause:  # a key typo, a wrong type: OmegaConf's reason
             return f"{lines[0].rstrip('.')}: {cause} (the keys and types: recpipe.pipeline.app.config)"
         return " ".join(x.strip() for x in lines[:2])  # the override grammar
+    known = {f.name for f in fields(TrainConfig)} | {"hydra"}
+    extra = sorted(set(cfg) - known)  # the root is not a struct: +key=value would be ignored
+    if extra:
+        return (f"no top-level config key {', '.join(map(repr, extra))}: the keys are "
+                f"{', '.join(sorted(known - {'hydra'}))}")
     return None
