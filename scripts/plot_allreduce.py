@@ -16,14 +16,21 @@ from pathlib import Path
 
 import torch
 
-from recpipe.ops.all_reduce_table import ALGORITHMS, LatencyTable, Machine, read_table, shipped_path
+from recpipe.ops.all_reduce_table import (
+    ALGORITHMS,
+    LatencyTable,
+    Machine,
+    dtype_name,
+    read_table,
+    shipped_path,
+)
 
 H200 = Machine("NVIDIA H200", 2, "", "")
 
 
 def rows(table: LatencyTable, dtype: torch.dtype) -> list[dict]:
     """Per measured size: bytes, each algorithm's P50, auto's pick and its P50."""
-    lat = table.dtypes[str(dtype).removeprefix("torch.")]
+    lat = table.dtypes[dtype_name(dtype)]
     out = []
     for i, size in enumerate(lat.sizes):
         us = {a: lat.us[a][i] for a in ALGORITHMS if a in lat.us}

@@ -1,12 +1,13 @@
 """Run a function on N local ranks (gloo on CPU, NCCL on GPUs: ``recpipe.pipeline.launch``),
-collecting return values."""
+collecting return values; a one-rank group in the test's own process; a free port."""
 
 from __future__ import annotations
 
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,10 +17,25 @@ import torch.multiprocessing as mp
 from recpipe.pipeline.launch import rank_backend_device
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def one_rank() -> Iterator[torch.device]:
+    """A one-rank gloo group in this process, on one CPU thread as the subprocesses here
+    (``OMP_NUM_THREADS=1``: several test workers share the cores; thread pools that wait for
+    each other's descheduled threads train 20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
@@ -40,7 +56,7 @@ def run_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
     """``[fn(rank, world, device, *args) for rank in range(world)]``, one process per rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from dist_utils import one_rank
 
 from recpipe.ops import all_reduce
 from recpipe.ops.all_reduce_table import LatencyTable, Machine, read_table, shipped_path
@@ -18,11 +19,8 @@ H200: LatencyTable = read_table(shipped_path(Machine("NVIDIA H200", 2, "any", "a
 @pytest.fixture(name="local_group")
 def local_group_fixture() -> Iterator[dist.ProcessGroup]:
     """The default group, of this process alone (gloo); destroyed after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank():
         yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(name="symmetric_h200")

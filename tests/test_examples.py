@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from dist_utils import free_port
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swap_pipeline.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(pipeline: str, steps: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env["MASTER_PORT"] = str(_free_port())
+    env["MASTER_PORT"] = str(free_port())
     env["CUDA_VISIBLE_DEVICES"] = ""  # the example is the CPU job
     env["OMP_NUM_THREADS"] = "1"  # the two runs side by side
     return subprocess.Popen(

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 from test_pipeline_parity import SHARDINGS, _train
 from test_train import ROOT, SYNTHETIC
 
@@ -24,11 +23,6 @@ RUN = (*SYNTHETIC, "trainer.steps=20", "trainer.log_interval=5", "trainer.eval=f
        "trainer.checkpoint=false")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(*launch: str, out: Path) -> subprocess.Popen:
@@ -46,7 +40,7 @@ def _losses(out: Path) -> list[float]:
 
 
 def test_two_nodes_of_two_match_one_node_of_four(tmp_path: Path) -> None:
-    endpoint = f"127.0.0.1:{_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         _torchrun("--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={endpoint}", "--rdzv-id=multinode-test",

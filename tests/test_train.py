@@ -8,12 +8,11 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from dist_utils import one_rank
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -34,21 +33,6 @@ def config(*overrides: str):
             compose(config_name="train", overrides=[*SYNTHETIC, *overrides]))
     validate(cfg)
     return cfg
-
-
-@contextmanager
-def one_rank() -> Iterator[torch.device]:
-    """A one-rank gloo group in this process, on one CPU thread as the subprocesses here
-    (``OMP_NUM_THREADS=1``: several test workers share the cores; thread pools that wait for
-    each other's descheduled threads train 20x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield torch.device("cpu")
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture
