@@ -239,7 +239,8 @@ def _permute_cpu(
     torch.index_select(rows, 0, permute, out=rows_out)
     row_sums = rows.sum(dim=1, dtype=torch.int64).tolist()
     order = permute.tolist()
-    in_total, out_total = sum(row_sums), sum(row_sums[p] for p in order)
+    in_total, out_total = sum(row_sums), sum([row_sums[p] for p in order])  # no generator:
+    # its every step is a Python call (host work per step must not grow with the features)
     if out_total != n:
         _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to {out_total}")
     if in_total > values.numel():

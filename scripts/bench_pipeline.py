@@ -34,6 +34,7 @@ from torch.cuda import _sanitizer
 import torchrec
 from torchrec.distributed.train_pipeline import TrainPipelineBase
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
 from torchrec.distributed.types import Awaitable
 
 from recpipe.kjt import PermuteInto
@@ -163,6 +164,8 @@ PIPELINES = {
     "torchrec": TorchrecPipeline,
     # the memory floor: no overlap, the input dist runs inside the forward, on main
     "torchrec_base": TrainPipelineBase,
+    # one batch in flight, the input dist on main in the critical path (torchrec >= 1.6.1)
+    "torchrec_lite": TrainPipelineSparseDistLite,
     "torchrec_inplace": _with_options(TorchrecPipeline, enable_inplace_copy_batch=True),
     "torchrec_early_free": _with_options(TorchrecPipeline, **_EARLY_FREE),
     "torchrec_clear_inputs": _with_options(TorchrecPipeline, clear_data_dist_inputs=True),
@@ -290,6 +293,9 @@ def child(a: argparse.Namespace) -> None:
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
         prof.export_chrome_trace(os.path.join(a.profile, f"{a.run_one}-rank{rank}.json"))
+        with open(os.path.join(a.profile, f"{a.run_one}-rank{rank}.txt"), "w") as f:
+            f.write(prof.key_averages(group_by_stack_n=6).table(
+                sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
     res.update(kjt_mib=kjt_bytes(data[0]) / 2**20, world=dist.get_world_size(),
                device=(torch.cuda.get_device_name() + (" (ranks share it, gloo)" if backend == "gloo" else ""))
                if cuda else "cpu")
