@@ -6,6 +6,7 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   **main** stream's pool, so they are reusable as soon as main drops the KJT, with no
   ``record_stream``. The data_dist stream waits on an event recorded on main after the
   allocation (a block handed to main may still be read by main's queued kernels).
+  :class:`EmptyOnMain` does the same for the all-to-all outputs (P2's inputs).
 - :class:`BufferRing` (P1, the feature-order permute in ``input_dist``): pipeline-owned buffers,
   one slot per batch in flight. A slot is written only after an event recorded on main at the
   end of the step that last used it. Whole permute (3 slots): written on data_dist, the step
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from recpipe.kjt import (
     Allocator,
@@ -34,6 +36,23 @@ from recpipe.kjt import (
 _HEADROOM = 64  # value buffers get 1/64 more than a batch needs: regrowth stays rare
 
 
+T = TypeVar("T")
+
+
+def on_main_stream(main: torch.cuda.Stream | None, make: Callable[[], T]) -> T:
+    """``make()`` with ``main`` current (its tensors come from main's pool), then the current
+    stream waits on an event recorded on main after the allocation (a block handed to main may
+    still be read by main's queued kernels). ``main=None`` (CPU): ``make()``."""
+    if main is None:
+        return make()
+    with torch.cuda.stream(main):
+        out = make()
+        allocated = torch.cuda.Event()
+        allocated.record(main)
+    torch.cuda.current_stream(main.device).wait_event(allocated)
+    return out
+
+
 def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
     """Allocate on ``main``; order the current (data_dist) stream after the allocation.
 
@@ -41,18 +60,36 @@ def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
     main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
     ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
     """
+    return lambda spec: on_main_stream(main, lambda: allocate(spec))
 
-    def alloc(spec: PermuteSpec) -> PermuteBuffers:
-        if main is None:
-            return allocate(spec)
-        with torch.cuda.stream(main):
-            buffers = allocate(spec)
-            allocated = torch.cuda.Event()
-            allocated.record(main)
-        torch.cuda.current_stream(main.device).wait_event(allocated)
-        return buffers
 
-    return alloc
+class EmptyOnMain(TorchFunctionMode):
+    """Within the block, ``torch.empty(..., device=device)`` allocates on ``main``
+    (:func:`on_main_stream`) and the tensor is appended to ``keep``; every other call runs
+    unchanged. Scoped to the splits wait of an input dist, where torchrec's
+    ``KJTAllToAllTensorsAwaitable`` makes the all-to-all outputs (the received lengths, values,
+    weights) that way.
+
+    Contract: the caller keeps ``keep`` until main has waited on the stream that reads the
+    tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes main
+    wait on data_dist after it), and calls nothing in the block after the first allocation that
+    syncs the host with the current stream (the event makes the current stream wait for all of
+    main's queued work)."""
+
+    def __init__(
+        self, main: torch.cuda.Stream | None, device: torch.device, keep: list[torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self._main, self._device, self._keep = main, device, keep
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if func is not torch.empty or device is None or torch.device(device).type != self._device.type:
+            return func(*args, **kwargs)
+        out = on_main_stream(self._main, lambda: func(*args, **kwargs))
+        self._keep.append(out)
+        return out
 
 
 class SideWrite(NamedTuple):

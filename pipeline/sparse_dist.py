@@ -63,7 +63,7 @@ from recpipe.kjt import (
     release_storage,
     write_into,
 )
-from recpipe.pipeline.buffers import BufferRing, SideWrite, main_stream_allocator
+from recpipe.pipeline.buffers import BufferRing, EmptyOnMain, SideWrite, main_stream_allocator
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
@@ -112,6 +112,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: a model whose forward reads the sparse features only through the pipelined (sharded)
     #: modules, as torchrec's option does.
     free_inputs_early: bool = True
+    #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
+    #: on the main stream (:class:`~recpipe.pipeline.buffers.EmptyOnMain`), so that they come
+    #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
+    #: queued work (the forward of the batch in compute). Needs one fused splits all-to-all
+    #: per step (torchrec fuses those of one process group), else the host would wait for main.
+    all_to_all_outputs_on_main: bool = False
 
     def __init__(
         self,
@@ -177,6 +183,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self.redirected: Counter = Counter()
         # P2, the recat after the all-to-all: only with more than one rank
         self._redirect_dist_init = world > 1
+        self._outputs_on_main = world > 1 and self.all_to_all_outputs_on_main
+        self._main = main
+        self._received: dict[int, list[torch.Tensor]] = {}  # batch index -> all-to-all outputs
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
         self._dist_init_runner: Runner = write_into(main_stream_allocator(main))  # P2's
         if cuda and self.inplace_copy_batch:
@@ -281,7 +290,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 del module.input_dist
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-        super().wait_sparse_data_dist(context)
+        if self._outputs_on_main:  # kept until the batch's forward has made main wait
+            keep = self._received.setdefault(context.index, [])
+            with EmptyOnMain(self._main, self._device, keep):
+                super().wait_sparse_data_dist(context)
+            self.redirected["outputs_on_main"] += len(keep)
+        else:
+            super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
             for name, request in requests.items():
@@ -295,6 +310,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
         self._copied.pop(self.contexts[0].index, None)
+        self._received.pop(self.contexts[0].index, None)
         super().dequeue_batch()
 
     @property

@@ -156,6 +156,10 @@ class RecpipeNoEarlyFree(RecpipePipeline):
     free_inputs_early = False  # each input KJT lives until its batch leaves the pipeline
 
 
+class RecpipeA2AMain(RecpipePipeline):
+    all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
+
+
 _EARLY_FREE = dict(free_features_storage_early=True)
 _LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
              clear_data_dist_inputs=True)
@@ -174,6 +178,8 @@ PIPELINES = {
     "recpipe": RecpipePipeline,
     "recpipe_inplace": RecpipeInplace,
     "recpipe_no_early_free": RecpipeNoEarlyFree,
+    "recpipe_a2a_main": RecpipeA2AMain,
+    "recpipe_a2a_main_lean": _with_options(RecpipeA2AMain, **_LEAN),
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
     "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
     "recpipe_ring3": RecpipeRing3,

@@ -81,3 +81,41 @@ def test_one_rank_inert_outside_and_narrow_inside() -> None:
 def test_two_ranks_inert_outside_and_narrow_inside() -> None:
     """World size 2: P2 (the recat in dist_init) is redirected."""
     _check(run_ranks(2, _inert_and_narrow), "dist_init")
+
+
+def _python_calls_per_step(rank: int, world: int, device: torch.device, tables: int) -> dict:
+    """Python function calls (``sys.setprofile`` "call" events: a CPU proxy for host time)
+    per steady-state step, torchrec's pipeline and recpipe's, on the same model and data."""
+    spec = ModelSpec(num_tables=tables)
+    out = {}
+    for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", TrainPipelineSparseDist)):
+        model, optimizer = build_sharded(spec, SHARDING, device, torch.distributed.group.WORLD, seed=1)
+        pipeline = cls(model, optimizer, device)
+        it = iter(list(batches(spec, STEPS + 4, rank, seed=2)))
+        for _ in range(4):  # fill the pipeline, warm the caches
+            pipeline.progress(it)
+        calls = 0
+
+        def profile(frame, event, arg) -> None:  # noqa: ANN001
+            nonlocal calls
+            calls += event == "call"
+
+        sys.setprofile(profile)
+        try:
+            for _ in range(STEPS - 2):  # steady state: the pipeline still holds 2 batches
+                pipeline.progress(it)
+        finally:
+            sys.setprofile(None)
+        out[name] = calls / (STEPS - 2)
+    return out
+
+
+def test_python_calls_per_step_do_not_grow_with_the_model() -> None:
+    """recpipe's Python work per step over torchrec's is the same at 4 and 16 tables per
+    module (2 ranks: P2 on every all-to-all; its permute on CPU included)."""
+    extra = {}
+    for tables in (4, 16):
+        r = run_ranks(2, _python_calls_per_step, tables)[0]
+        assert r["torchrec"] > 0
+        extra[tables] = r["recpipe"] - r["torchrec"]
+    assert extra[4] == extra[16], extra

@@ -37,6 +37,10 @@ class RingEverywherePipeline(TrainPipelineSparseDist):
     ring_feature_permute = True  # P1 into the ring on several ranks too
 
 
+class OutputsOnMainPipeline(TrainPipelineSparseDist):
+    all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
+
+
 def _train(
     rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
     ours: type = TrainPipelineSparseDist, spec: ModelSpec = ModelSpec(),
@@ -138,6 +142,16 @@ def test_feature_permute_ring_on_two_ranks_bit_identical() -> None:
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("input_dist", 0) >= STEPS and r["ring_replaced"] == 0
+
+
+@pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"] if GPU2 else ["mixed_tw_cw"])
+def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
+    """``all_to_all_outputs_on_main = True``: every all-to-all output (lengths and values of
+    each of the 3 modules' 2 groups, the weighted module's weights too) comes from main."""
+    results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, OutputsOnMainPipeline)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        assert r["redirected"].get("outputs_on_main", 0) >= 13 * (STEPS - 1), r["redirected"]
 
 
 def test_losses_bit_identical_on_four_ranks() -> None:
