@@ -46,9 +46,10 @@ def points(saved: dict) -> list[Point]:
 
 
 def timings_meaningful(saved: dict) -> bool:
-    """False for ranks sharing one GPU over gloo (the bench marks their device so)."""
+    """False for ranks sharing one GPU over gloo (the bench marks their device so), and for a
+    file marked ``"timed": false`` (runs merged from several machines: only memory compares)."""
     runs = next(iter(saved["runs"].values()))
-    return "share" not in runs[0].get("device", "")
+    return saved.get("timed", True) and "share" not in runs[0].get("device", "")
 
 
 def markdown(title: str, pts: list[Point], timed: bool) -> str:
@@ -93,7 +94,7 @@ def plot(panels: list[tuple[str, list[Point], bool]], path: str) -> None:
             ax.set_ylabel("ms/iter (median of runs)")
         else:
             ax.set_yticks([])
-            ax.set_ylabel("memory only (ranks share one GPU: timings meaningless)")
+            ax.set_ylabel("memory only (timings not comparable)")
         ax.set_title(textwrap.fill(title, 70), fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
