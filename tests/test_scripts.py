@@ -43,16 +43,43 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
 
 
-def test_bench_pipeline_runs_every_dense_allreduce_variant(tmp_path: Path) -> None:
+def test_bench_pipeline_runs_every_dense_allreduce_variant_and_the_anchors(tmp_path: Path) -> None:
+    """The anchors (torchrec's SparseDist, Base, SparseDistLite) and recpipe's variants run
+    side by side; their runs make the memory-time plane (plot_pareto.py)."""
     out = tmp_path / "r.json"
+    names = ["torchrec", "torchrec_base", "torchrec_lite", "recpipe", "recpipe_nccl_ar",
+             "recpipe_auto_ar"]
     r = _run(str(SCRIPTS / "bench_pipeline.py"), "--config=tiny", "--nproc=1", "--repeats=1",
-             "--warmup=1", "--steps=3", "--pipelines=torchrec,recpipe,recpipe_nccl_ar,recpipe_auto_ar",
+             "--warmup=1", "--steps=3", f"--pipelines={','.join(names)}",
              f"--data-dir={tmp_path}", f"--json={out}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "losses bit-identical across all 4 runs: True" in r.stdout
+    assert "losses bit-identical across all 6 runs: True" in r.stdout
     runs = json.loads(out.read_text())["runs"]
-    assert list(runs) == ["torchrec", "recpipe", "recpipe_nccl_ar", "recpipe_auto_ar"]
+    assert list(runs) == names
     assert all(len(rs[0]["ms"]) == 3 for rs in runs.values())
+    plane = subprocess.run([sys.executable, str(SCRIPTS / "plot_pareto.py"), str(out), "--plot",
+                            str(tmp_path / "p.png")], capture_output=True, text=True, timeout=120)
+    assert plane.returncode == 0, plane.stderr
+    rows = [x for x in plane.stdout.splitlines() if x.startswith("| torchrec_lite ")]
+    assert len(rows) == 1 and rows[0].endswith("x |")  # CPU runs are timed: a ratio column
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_plot_pareto_memory_only_and_tax_share(tmp_path: Path) -> None:
+    """Shared-GPU runs plot memory only; the tax share is (torchrec - x) / (torchrec - base)."""
+    run = lambda ms, mib: dict(ms=[ms], reserved=mib, device="H100 (ranks share it, gloo)")  # noqa: E731
+    saved = {"title": "t", "runs": {"torchrec": [run(1.0, 300)], "torchrec_base": [run(2.0, 100)],
+                                    "recpipe": [run(1.0, 150)]}}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(saved))
+    r = subprocess.run([sys.executable, str(SCRIPTS / "plot_pareto.py"), str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "| recpipe | 1 | 150 (150-150) | 75% |" in r.stdout and "ms/iter" not in r.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "plot_pareto.py"), str(tmp_path / "no.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("error:")
+    assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_bench_allreduce_prints_a_row_per_variant(tmp_path: Path) -> None:
