@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
+from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 
 def main() -> None:

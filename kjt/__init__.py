@@ -13,7 +13,7 @@ from recpipe.kjt.permute import (
     permute_spec,
     write_into,
 )
-from recpipe.kjt.redirect import as_type, redirecting_kjt_type
+from recpipe.kjt.redirect import RedirectStats, as_type, redirecting_kjt_type
 from recpipe.kjt.storage import release_storage
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "PermuteBuffers",
     "PermuteInto",
     "PermuteSpec",
+    "RedirectStats",
     "Runner",
     "allocate",
     "copy_batch",

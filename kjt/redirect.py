@@ -17,9 +17,9 @@ assigned it behaves as torchrec's.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -27,10 +27,20 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recpipe.kjt.permute import PermuteInto, Runner
 
 
+@dataclass
+class RedirectStats:
+    """What an interception did: the permutes it redirected at each site (P1, ``input_dist``;
+    P2, ``dist_init``) and the torch calls its mode saw (its whole Python footprint)."""
+
+    input_dist: int = 0
+    dist_init: int = 0
+    seen: int = 0
+
+
 def redirecting_kjt_type(
     permute_runner: Callable[[], Runner | None],
     dist_init_runner: Callable[[], Runner],
-    counts: Counter,
+    stats: RedirectStats,
     on_permute: Callable[[KeyedJaggedTensor], None] | None = None,
 ) -> type[KeyedJaggedTensor]:
     """A ``KeyedJaggedTensor`` subclass whose permutes go through runners.
@@ -39,8 +49,7 @@ def redirecting_kjt_type(
     ``dist_init`` (P2), on the caller's thread and stream, and return the runner for that call
     (``permute_runner() is None``: torchrec's permute as it is, no mode). ``on_permute(kjt)``
     is called after each P1 with the KJT that was permuted (its input).
-    ``counts["input_dist"]`` / ``counts["dist_init"]`` add the permutes redirected at each site;
-    ``counts["seen"]`` the torch calls the mode saw (the interception's whole Python footprint).
+    ``stats`` adds up the permutes redirected at each site and the torch calls the mode saw.
     Results are plain ``KeyedJaggedTensor`` (torchrec constructs them), exactly torchrec's but
     for where the permuted tensors live.
     """
@@ -49,8 +58,8 @@ def redirecting_kjt_type(
         mode = PermuteInto(run)
         with mode:
             out = method(*args, **kwargs)
-        counts[site] += mode.calls
-        counts["seen"] += mode.seen
+        setattr(stats, site, getattr(stats, site) + mode.calls)
+        stats.seen += mode.seen
         return out
 
     def permute(self: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> KeyedJaggedTensor:

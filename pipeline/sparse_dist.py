@@ -41,9 +41,9 @@ so the losses are bit-identical: recpipe's permute gives fbgemm's results exactl
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.kjt import (
+    RedirectStats,
     Runner,
     as_type,
     copy_batch,
@@ -73,6 +74,18 @@ from recpipe.pipeline.compat import (
     pipeline_options,
     stale_index_refs,
 )
+
+
+@dataclass
+class PipelineStats(RedirectStats):
+    """Counts since the pipeline was made: the permutes redirected at P1 (``input_dist``) and P2
+    (``dist_init``) and the torch calls the interception saw (``seen``); all-to-alls whose sent
+    inputs were given back a step early (``released``); bytes of input KJTs freed early
+    (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``)."""
+
+    released: int = 0
+    inputs_freed_bytes: int = 0
+    outputs_on_main: int = 0
 
 
 class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
@@ -171,16 +184,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 )
             if not self._use_ring:
                 raise ValueError("split_input_dist_permute needs the ring (ring_feature_permute)")
-        self.split_input_dist_permute = split  # resolved: what this pipeline does
+        #: the resolved ``split_input_dist_permute``: whether this pipeline splits P1
+        self.uses_split_permute: bool = split
         if split:
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[SideWrite]] = {}
         self._ring = BufferRing(
             main, 2 if split else self.ring_depth, stale_refs=stale_index_refs(self._model)
         )
-        #: permutes redirected so far, by site ("input_dist": P1, "dist_init": P2), the torch
-        #: calls the interception saw ("seen"), all-to-all inputs given back early ("released")
-        self.redirected: Counter = Counter()
+        #: what the pipeline did so far (:class:`PipelineStats`)
+        self.stats = PipelineStats()
         # P2, the recat after the all-to-all: only with more than one rank
         self._redirect_dist_init = world > 1
         self._outputs_on_main = world > 1 and self.all_to_all_outputs_on_main
@@ -194,7 +207,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._free_inputs = cuda and self.free_inputs_early
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._kjt_type = redirecting_kjt_type(
-            lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.redirected,
+            lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
             self._permuted_inputs.append if self._free_inputs else None,
         )
         self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
@@ -211,7 +224,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
         inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
-        if self.split_input_dist_permute:  # the side stream reads them: after its wait
+        if self.uses_split_permute:  # the side stream reads them: after its wait
             self._releasable[context.index] = inputs
         else:
             self._release_inputs(context.index, inputs)
@@ -224,7 +237,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         waited on it)."""
         owned = self._copied.get(index, ())
         for kjt in {id(k): k for k in inputs}.values():
-            self.redirected["inputs_freed_bytes"] += release_storage(kjt, owned)
+            self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 
     def copy_batch_to_gpu(
         self, dataloader_iter: Iterator[In]
@@ -267,10 +280,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             for request in context.input_dist_tensors_requests.values():
                 for awaitable in all_to_all_awaitables(request):
                     release_all_to_all_input(awaitable)
-                    self.redirected["released"] += 1
+                    self.stats.released += 1
 
     def _ring_runner(self, batch_index: int) -> Runner:
-        if self.split_input_dist_permute:
+        if self.uses_split_permute:
             done = self._values_done.setdefault(batch_index, [])
             return self._ring.split_runner(batch_index, self._side, done)
         return write_into(self._ring.allocator(batch_index))
@@ -294,14 +307,14 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             keep = self._received.setdefault(context.index, [])
             with EmptyOnMain(self._main, self._device, keep):
                 super().wait_sparse_data_dist(context)
-            self.redirected["outputs_on_main"] += len(keep)
+            self.stats.outputs_on_main += len(keep)
         else:
             super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
             for name, request in requests.items():
                 requests[name] = _DistInitRedirected(request, self._kjt_type)
-        if self.split_input_dist_permute:  # the splits are read: now data_dist needs the values
+        if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
             self._release_inputs(context.index, self._releasable.pop(context.index, []))

@@ -89,7 +89,7 @@ def planner_topology(
     ``intra_node_gb_s`` and across nodes at ``inter_node_gb_s`` (GB/s per GPU and direction).
 
     On CUDA the plan puts rank ``r``'s shards on ``cuda:(r % local_world_size)``; ranks sharing
-    a GPU (``recpipe.pipeline.launch``) make the local size the GPU count."""
+    a GPU (``recpipe.testing.launch``) make the local size the GPU count."""
     from torchrec.distributed.planner import Topology
 
     local = layout.local_world_size

@@ -53,7 +53,7 @@ from recpipe.ops.all_reduce_table import (
     local_machine,
     write_table,
 )
-from recpipe.pipeline.launch import rank_backend_device
+from recpipe.testing.launch import rank_backend_device
 
 UNITS = {"K": 2**10, "M": 2**20}
 

@@ -16,7 +16,6 @@ KJTs, all features kept).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import statistics
@@ -31,174 +30,11 @@ from itertools import cycle, islice
 import torch
 import torch.distributed as dist
 from torch.cuda import _sanitizer
-import torchrec
-from torchrec.distributed.train_pipeline import TrainPipelineBase
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
-from torchrec.distributed.types import Awaitable
 
-from recpipe.kjt import PermuteInto
-from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
-from recpipe.pipeline.data_parallel import BucketedAllReduce
-from recpipe.pipeline.launch import rank_backend_device
-from recpipe.pipeline.synthetic import (
-    ModelSpec,
-    build_sharded,
-    make_batch,
-    deterministic_kernels,
-)
-
-CONFIGS = {
-    # 16 tables x 200k rows x dim 128, batch 4096 per rank, 40 ids per feature
-    "small": ModelSpec(num_tables=16, rows=200_000, dim=128, batch_size=4096, pooling=40,
-                       weighted=False, sequence=False),
-    # one batch's permuted KJTs: 32 x 16384 x 256 ids x 8 B = 1.0 GiB (+ lengths)
-    "large": ModelSpec(num_tables=32, rows=200_000, dim=128, batch_size=16384, pooling=256,
-                       weighted=False, sequence=False),
-    "tiny": ModelSpec(num_tables=4, rows=1000, dim=16, batch_size=64, pooling=4),
-    # the Hydra model=dense_heavy: 8 tables, a 59M-parameter over-arch (236 MB of fp32 grads)
-    "dense_heavy": ModelSpec(num_tables=8, rows=200_000, dim=128, batch_size=4096, pooling=40,
-                             weighted=False, sequence=False, over_arch=(4096, 4096, 4096, 4096, 1024)),
-}
-
-
-class RecpipeRing3(RecpipePipeline):
-    split_input_dist_permute = False  # world size 1: whole permute into a depth-3 ring
-
-
-class RecpipeRing2(RecpipeRing3):
-    ring_depth = 2  # slow: the host waits for main (sparse_dist.py)
-
-
-class RecpipeRing(RecpipePipeline):
-    ring_feature_permute = True  # P1 into the ring on several ranks too (default: 1 rank only)
-
-
-class RecpipeModeOnly(RecpipePipeline):
-    """Diagnostic: recpipe's interception with every permute left to fbgemm: what the hooks
-    alone cost (README: host-bound configs)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._dist_init_runner = _fbgemm_permute
-
-    def _ring_runner(self, batch_index: int):
-        return _fbgemm_permute
-
-
-def _fbgemm_permute(*args):
-    return torch.ops.fbgemm.permute_2D_sparse_data(*args)
-
-
-class RecpipeScopedMode(RecpipePipeline):
-    """Diagnostic: the interception recpipe used until df8ae95, for comparison (README design
-    notes): a ``PermuteInto`` mode over the whole input dist (P1, world size 1) and over each
-    module's whole input-dist wait (P2), seeing every torch call there."""
-
-    def start_sparse_data_dist(self, batch, context) -> None:
-        if not self._use_ring or batch is None:
-            return TorchrecPipeline.start_sparse_data_dist(self, batch, context)
-        with _Counted(PermuteInto(self._ring_runner(context.index)), self.redirected, "input_dist"):
-            TorchrecPipeline.start_sparse_data_dist(self, batch, context)
-
-    def wait_sparse_data_dist(self, context) -> None:
-        redirect, self._redirect_dist_init = self._redirect_dist_init, False
-        super().wait_sparse_data_dist(context)
-        self._redirect_dist_init = redirect
-        if redirect:
-            requests = context.input_dist_tensors_requests
-            for name, request in requests.items():
-                requests[name] = _ScopedWait(request, self._dist_init_runner, self.redirected)
-
-
-class _Counted:
-    def __init__(self, mode: PermuteInto, counts, site: str) -> None:
-        self._mode, self._counts, self._site = mode, counts, site
-
-    def __enter__(self) -> None:
-        self._mode.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
-        self._counts[self._site] += self._mode.calls
-        self._counts["seen"] += self._mode.seen
-
-
-class _ScopedWait(Awaitable):
-    def __init__(self, inner, run, counts) -> None:
-        super().__init__()
-        self._inner, self._run, self._counts = inner, run, counts
-
-    def _wait_impl(self):
-        with _Counted(PermuteInto(self._run), self._counts, "dist_init"):
-            return self._inner.wait()
-
-
-def _with_options(cls, **options):
-    """``cls`` with torchrec's pipeline options set, where the installed torchrec has them
-    (``free_features_storage_early``, ``clear_data_dist_inputs``: >= 1.7)."""
-    params = inspect.signature(TorchrecPipeline).parameters
-    missing = [k for k in options if k not in params]
-
-    def make(*args, **kwargs):
-        if missing:
-            raise SystemExit(f"this torchrec ({torchrec.__version__}) has no {', '.join(missing)}")
-        return cls(*args, **options, **kwargs)
-
-    return make
-
-
-class RecpipeInplace(RecpipePipeline):
-    inplace_copy_batch = True  # the batch copy allocated on main, no record_stream(main)
-
-
-class RecpipeNoEarlyFree(RecpipePipeline):
-    free_inputs_early = False  # each input KJT lives until its batch leaves the pipeline
-
-
-class RecpipeA2AMain(RecpipePipeline):
-    all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
-
-
-_EARLY_FREE = dict(free_features_storage_early=True)
-_LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
-             clear_data_dist_inputs=True)
-
-PIPELINES = {
-    "torchrec": TorchrecPipeline,
-    # the memory floor: no overlap, the input dist runs inside the forward, on main
-    "torchrec_base": TrainPipelineBase,
-    # one batch in flight, the input dist on main in the critical path (torchrec >= 1.6.1)
-    "torchrec_lite": TrainPipelineSparseDistLite,
-    "torchrec_inplace": _with_options(TorchrecPipeline, enable_inplace_copy_batch=True),
-    "torchrec_early_free": _with_options(TorchrecPipeline, **_EARLY_FREE),
-    "torchrec_clear_inputs": _with_options(TorchrecPipeline, clear_data_dist_inputs=True),
-    "torchrec_free_clear": _with_options(TorchrecPipeline, **_EARLY_FREE, clear_data_dist_inputs=True),
-    "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),  # every memory option on
-    "recpipe": RecpipePipeline,
-    "recpipe_inplace": RecpipeInplace,
-    "recpipe_no_early_free": RecpipeNoEarlyFree,
-    "recpipe_a2a_main": RecpipeA2AMain,
-    "recpipe_a2a_main_lean": _with_options(RecpipeA2AMain, **_LEAN),
-    "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
-    "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
-    "recpipe_ring3": RecpipeRing3,
-    "recpipe_ring2": RecpipeRing2,
-    "recpipe_ring": RecpipeRing,
-    "recpipe_mode_only": RecpipeModeOnly,
-    "recpipe_scoped_mode": RecpipeScopedMode,
-    "recpipe_nccl_ar": RecpipePipeline,
-    "recpipe_symm_ar": RecpipePipeline,
-    "recpipe_auto_ar": RecpipePipeline,
-}
-# The dense part's gradient all-reduce (default: torchrec's DDP): recpipe's compiled bucketed
-# all-reduce through NCCL (gloo on CPU), through symmetric memory (CUDA, one host), or per bucket
-# the fastest of the two in the machine's measured table (recpipe.ops.all_reduce_table).
-DENSE_ALLREDUCE = {
-    "recpipe_nccl_ar": lambda: BucketedAllReduce(compile=True),
-    "recpipe_symm_ar": lambda: BucketedAllReduce(algorithm="symm_mem"),
-    "recpipe_auto_ar": lambda: BucketedAllReduce(algorithm="auto"),
-}
+from recpipe.bench.configs import CONFIGS
+from recpipe.bench.variants import DENSE_ALLREDUCE, PIPELINES
+from recpipe.testing.launch import rank_backend_device
+from recpipe.testing.synthetic import ModelSpec, build_sharded, deterministic_kernels, make_batch
 
 
 def kjt_bytes(batch) -> int:
@@ -240,7 +76,8 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     if prof is not None:
         prof.stop()
     # torch calls that took a Python round trip through recpipe's interception, per step
-    seen = getattr(pipeline, "redirected", {}).get("seen", 0) / (warmup + steps)
+    stats = getattr(pipeline, "stats", None)
+    seen = (stats.seen if stats is not None else 0) / (warmup + steps)
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
                     reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0, seen=seen)
@@ -290,7 +127,7 @@ def child(a: argparse.Namespace) -> None:
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                        schedule=schedule(wait=a.warmup, warmup=1, active=3, repeat=1))
     if a.snapshot and cuda:
-        from memory_snapshot import SnapshotProfiler
+        from recpipe.bench.memory_snapshot import SnapshotProfiler
 
         os.makedirs(a.snapshot, exist_ok=True)
         prof = SnapshotProfiler(os.path.join(a.snapshot, f"{a.run_one}-rank{rank}.pickle"))
@@ -309,6 +146,15 @@ def child(a: argparse.Namespace) -> None:
         with open(a.result, "w") as f:
             json.dump(res, f)
     dist.destroy_process_group()
+
+
+def _pipeline_names(text: str) -> list[str]:
+    """``--pipelines``: known names only, checked before anything is built."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in PIPELINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: pick from {', '.join(PIPELINES)}")
+    return names
 
 
 def config(a: argparse.Namespace) -> ModelSpec:
@@ -401,7 +247,8 @@ def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    p.add_argument("--pipelines", default="torchrec,recpipe")
+    p.add_argument("--pipelines", default="torchrec,recpipe", type=_pipeline_names,
+                   help="comma-separated, alternating in this order; one of: " + ", ".join(PIPELINES))
     p.add_argument("--sharding", default="table_wise,column_wise",
                    help="sharding types, cycled over tables (mixing makes the input dist permute)")
     p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
@@ -437,7 +284,7 @@ def main() -> None:
             saved = json.load(f)
         return plot(saved["runs"], a.plot, saved["title"])
     os.makedirs(a.data_dir, exist_ok=True)
-    names = a.pipelines.split(",")
+    names = a.pipelines
     print(f"bench_pipeline: {a.config} {config(a)}, {a.nproc} process(es)", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()

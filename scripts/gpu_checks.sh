@@ -118,7 +118,7 @@ case "${1:-}" in
   multinode)  # 2 GPUs: two torchrun "nodes" of 1 GPU each (CUDA_VISIBLE_DEVICES per node, c10d
     # rendezvous on localhost) against one node of 2, deterministic: the layout and symmetric-
     # memory lines of each run's log, and bit-identical losses
-    run=(scripts/train.py hardware=cuda data=synthetic model=small pipeline.dense_allreduce=auto
+    run=(scripts/train.py hardware=cuda data=synthetic model=tiny pipeline.dense_allreduce=auto
          trainer.steps=100 trainer.log_interval=1 trainer.checkpoint=false trainer.deterministic=true)
     port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     for i in 0 1; do

@@ -7,7 +7,7 @@ checked), which ships it as three brotli parquet files; pyarrow reads them (inst
 interpreter's environment if missing: only this step needs it). Does nothing if the output
 exists (unless ``--force``). Nothing of the data is committed (``data/`` is git-ignored).
 
-The .npz layout (read by ``recpipe.pipeline.app.movielens``; ids index the per-id arrays
+The .npz layout (read by ``recpipe.train.movielens``; ids index the per-id arrays
 directly, row 0 unused):
 
     event_user int32 [N], event_item int32 [N], event_rating int8 [N] (1-5),

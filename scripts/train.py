@@ -7,7 +7,7 @@
     python scripts/train.py -m pipeline=torchrec,recpipe       # a sweep (Hydra multirun)
 
 Configs: configs/ (groups model, data, sharding, pipeline, hardware, trainer); the schema and
-value checks: recpipe.pipeline.app.config. Output (rank 0): <output_dir>/<time>-<pipeline>/
+value checks: recpipe.train.config. Output (rank 0): <output_dir>/<time>-<pipeline>/
 with config.yaml, metrics.jsonl and checkpoint/ (unless trainer.checkpoint_dir is given).
 
 A usage problem (a key or value Hydra cannot compose, a bad value, an option this machine cannot
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from recpipe.pipeline.app.config import UsageError, composition_error, register, validate
+from recpipe.train.config import UsageError, composition_error, register, validate
 
 register()
 log = logging.getLogger("recpipe")
@@ -104,7 +104,7 @@ def _run(dcfg: DictConfig) -> list[dict]:
     validate(cfg)
     device = _init_distributed(cfg.hardware.backend)
     # imported once the config is valid: the trainer loads torchrec
-    from recpipe.pipeline.app.trainer import TrainingInterrupted, train
+    from recpipe.train.trainer import TrainingInterrupted, train
 
     try:
         return train(cfg, device)

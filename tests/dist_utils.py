@@ -1,4 +1,4 @@
-"""Run a function on N local ranks (gloo on CPU, NCCL on GPUs: ``recpipe.pipeline.launch``),
+"""Run a function on N local ranks (gloo on CPU, NCCL on GPUs: ``recpipe.testing.launch``),
 collecting return values; a one-rank group in the test's own process; a free port."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recpipe.pipeline.launch import rank_backend_device
+from recpipe.testing.launch import rank_backend_device
 
 
 def free_port() -> int:

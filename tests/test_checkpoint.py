@@ -23,10 +23,10 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from test_train import SYNTHETIC, ROOT, config, gloo, losses, one_rank  # noqa: F401 (gloo: a fixture)
 
-from recpipe.pipeline.app.checkpoint import PAUSE_ENV, CheckpointDir, CheckpointError
-from recpipe.pipeline.app.data import SyntheticSource
-from recpipe.pipeline.app.trainer import NonFiniteError, train
-from recpipe.pipeline.synthetic import build_sharded
+from recpipe.train.checkpoint import PAUSE_ENV, CheckpointDir, CheckpointError
+from recpipe.train.data import SyntheticSource
+from recpipe.train.trainer import NonFiniteError, train
+from recpipe.testing.synthetic import build_sharded
 from recpipe.pipeline.topology import NodeLayout
 
 SHORT = ("trainer.steps=20", "trainer.log_interval=5")

@@ -18,8 +18,8 @@ import pytest
 from test_checkpoint import RUN, _history, _sums_ok, latest_state, made, refusal  # noqa: F401 (made)
 from test_train import SYNTHETIC, ROOT, config, gloo, losses  # noqa: F401 (gloo: a fixture)
 
-from recpipe.pipeline.app.config import composition_error
-from recpipe.pipeline.app.trainer import train
+from recpipe.train.config import composition_error
+from recpipe.train.trainer import train
 
 SCRIPT = str(ROOT / "scripts/train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -127,11 +127,11 @@ def test_refused_with_one_line_exit_1_and_latest_untouched(made: Path, tmp_path:
 
 COMPOSE_ERRORS = {
     "trainer.stpes=3": "Could not override 'trainer.stpes': Key 'stpes' not in 'TrainerConfig' "
-                       "(the keys and types: recpipe.pipeline.app.config)",
+                       "(the keys and types: recpipe.train.config)",
     "trainer.steps=abc": "Error merging override trainer.steps=abc: Value 'abc' of type 'str' could "
                          "not be converted to Integer",
     "model=nope": "In 'train': Could not find 'model/nope': pick one of dense_heavy, large, "
-                  "movielens, small",
+                  "movielens, small, tiny",
     "+foo=1": "no top-level config key 'foo': the keys are data, hardware, model, output_dir, "
               "pipeline, sharding, trainer",
 }

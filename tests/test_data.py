@@ -1,5 +1,5 @@
 """Data sources: MovieLens-100k (a stand-in .npz of the same layout, and the real file when
-present) and Criteo TSV (a generated file); the explicit-layout model of recpipe.pipeline.synthetic."""
+present) and Criteo TSV (a generated file); the explicit-layout model of recpipe.testing.synthetic."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recpipe.pipeline.app.config import DataConfig, ModelConfig
-from recpipe.pipeline.app.criteo_tsv import CriteoTSVSource
-from recpipe.pipeline.app.movielens import DEFAULT_PATH, FEATURES, MovieLensSource, auc, concat_ranges
-from recpipe.pipeline.synthetic import Batch, ModelSpec, TableSpec, build_sharded, make_batch
+from recpipe.train.config import DataConfig, ModelConfig
+from recpipe.train.criteo_tsv import CriteoTSVSource
+from recpipe.train.movielens import DEFAULT_PATH, FEATURES, MovieLensSource, auc, concat_ranges
+from recpipe.testing.synthetic import Batch, ModelSpec, TableSpec, build_sharded, make_batch
 
 # ---------------------------------------------------------------------------------------------
 # helpers

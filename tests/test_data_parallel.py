@@ -18,7 +18,7 @@ from torchrec.distributed.types import ShardingEnv
 
 from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.pipeline.data_parallel import BucketedAllReduce, _Bucket, _buckets
-from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
+from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 GPU2 = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 STEPS = 100 if GPU2 else 40  # the GPU check's 100; fewer on 2 CPU cores

@@ -18,7 +18,7 @@ from recpipe.pipeline import TrainPipelineSparseDist
 JOB = '''
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.synthetic import Batch, ModelSpec, batches, build_sharded
+from recpipe.testing.synthetic import Batch, ModelSpec, batches, build_sharded
 
 
 def job(device: torch.device, steps: int) -> list[float]:

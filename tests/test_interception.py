@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recpipe
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
+from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 8
 SHARDING = ["table_wise", "column_wise"]  # mixed: the input dist permutes the features (P1)
@@ -59,7 +60,7 @@ def _inert_and_narrow(rank: int, world: int, device: torch.device) -> dict:
     finally:
         sys.setprofile(None)
     return dict(calls=calls, plain_kjts=plain_kjts, shadowed=shadowed,
-                redirected=dict(ours.redirected))
+                redirected=asdict(ours.stats))
 
 
 def _check(results: list[dict], site: str) -> None:

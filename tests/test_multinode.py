@@ -16,7 +16,7 @@ from dist_utils import free_port, run_ranks
 from test_pipeline_parity import SHARDINGS, _train
 from test_train import ROOT, SYNTHETIC
 
-from recpipe.pipeline.synthetic import ModelSpec
+from recpipe.testing.synthetic import ModelSpec
 from recpipe.pipeline.topology import node_layout
 
 RUN = (*SYNTHETIC, "trainer.steps=20", "trainer.log_interval=5", "trainer.eval=false",

@@ -7,6 +7,7 @@ ranks with ``RECPIPE_SHARED_GPU=1``: gloo).
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -15,13 +16,13 @@ from dist_utils import run_ranks
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.launch import SHARED_GPU_ENV, rank_backend_device
+from recpipe.testing.launch import SHARED_GPU_ENV, rank_backend_device
 from recpipe.pipeline.sparse_dist import _bucketized
-from recpipe.pipeline.synthetic import ModelSpec, batches, build_sharded
+from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 32
 EMPTY_AT = 7  # one batch without any ids
-# 2 ranks on GPUs: NCCL, or gloo with RECPIPE_SHARED_GPU=1 on one GPU (recpipe.pipeline.launch)
+# 2 ranks on GPUs: NCCL, or gloo with RECPIPE_SHARED_GPU=1 on one GPU (recpipe.testing.launch)
 GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
 
@@ -62,9 +63,9 @@ def _train(
             pipeline.progress(it)
         out[name] = losses
         if name == "recpipe":
-            out["redirected"] = dict(pipeline.redirected)
+            out["redirected"] = asdict(pipeline.stats)
             out["ring_replaced"] = pipeline.ring_replaced
-            out["split"] = pipeline.split_input_dist_permute
+            out["split"] = pipeline.uses_split_permute
     return out
 
 

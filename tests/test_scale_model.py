@@ -4,13 +4,11 @@ real configs' small plans)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import scale_model as sm  # noqa: E402 (a script, found through the path above)
+from recpipe.bench import scale_model as sm
 
 TINY = sm.CONFIGS["tiny"]
 TW_CW, TW_RW = ("table_wise", "column_wise"), ("table_wise", "row_wise")

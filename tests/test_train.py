@@ -16,15 +16,15 @@ from dist_utils import one_rank
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recpipe.pipeline.app.config import UsageError, register, validate
-from recpipe.pipeline.app.trainer import train
+from recpipe.train.config import UsageError, register, validate
+from recpipe.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register()
 
 
 #: the tests' data and model: the fast synthetic ones (the job's default is MovieLens-100k)
-SYNTHETIC = ("data=synthetic", "model=small")
+SYNTHETIC = ("data=synthetic", "model=tiny")
 
 
 def config(*overrides: str):

@@ -4,7 +4,7 @@ The model has the three kinds of sparse module whose input dist permutes KJTs: a
 ``EmbeddingBagCollection``, a weighted one, and an ``EmbeddingCollection`` (sequence features,
 sum-pooled here). Batches are :class:`Batch`, a ``Pipelineable`` with one KJT per module.
 Ids follow a Zipf law; the number of ids per sample varies uniformly around ``pooling``.
-The real-data sources (``recpipe.pipeline.app.movielens``, ``criteo_tsv``) build the same model
+The real-data sources (``recpipe.train.movielens``, ``criteo_tsv``) build the same model
 from a :class:`ModelSpec` with an explicit table layout (:class:`TableSpec`).
 """
 

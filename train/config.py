@@ -75,8 +75,8 @@ class HardwareConfig:
     backend: str = "gloo"  # gloo | nccl
     # the planner's link bandwidths, GB/s per GPU and direction (recpipe.pipeline.topology):
     # inside a node (H200 NVLink) and across nodes (a 400 Gb/s NIC per GPU)
-    intra_node_gb_s: float = 450.0
-    inter_node_gb_s: float = 50.0
+    intra_node_gb_s: float = 450.0  # = recpipe.pipeline.topology.INTRA_NODE_GB_S (tested)
+    inter_node_gb_s: float = 50.0  # = recpipe.pipeline.topology.INTER_NODE_GB_S (tested)
 
 
 @dataclass
@@ -249,7 +249,7 @@ def composition_error(config_dir: str, config_name: str, overrides: list[str]) -
             return f"{lines[0]}: pick one of {', '.join(names)}"
         cause = e.__cause__ and str(e.__cause__).splitlines()[0]
         if cause:  # a key typo, a wrong type: OmegaConf's reason
-            return f"{lines[0].rstrip('.')}: {cause} (the keys and types: recpipe.pipeline.app.config)"
+            return f"{lines[0].rstrip('.')}: {cause} (the keys and types: recpipe.train.config)"
         return " ".join(x.strip() for x in lines[:2])  # the override grammar
     known = {f.name for f in fields(TrainConfig)} | {"hydra"}
     extra = sorted(set(cfg) - known)  # the root is not a struct: +key=value would be ignored

@@ -32,11 +32,11 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 from tqdm import tqdm
 
-from recpipe.pipeline.app.checkpoint import CheckpointDir
-from recpipe.pipeline.app.config import TrainConfig, UsageError, save_yaml
-from recpipe.pipeline.app.data import DataSource, make_source
+from recpipe.train.checkpoint import CheckpointDir
+from recpipe.train.config import TrainConfig, UsageError, save_yaml
+from recpipe.train.data import DataSource, make_source
 from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist as RecpipePipeline
-from recpipe.pipeline.synthetic import build_sharded, deterministic_kernels
+from recpipe.testing.synthetic import build_sharded, deterministic_kernels
 from recpipe.pipeline.topology import group_is_node_local, node_layout, planner_topology
 
 PIPELINES = {"torchrec": TorchrecPipeline, "recpipe": RecpipePipeline}

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from recpipe.pipeline.app.config import TrainConfig, UsageError
+from recpipe.train.config import TrainConfig, UsageError
 from recpipe.pipeline.topology import NodeLayout, node_layout
 
 log = logging.getLogger(__name__)

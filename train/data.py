@@ -1,9 +1,9 @@
 """Where the training job's batches come from: a :class:`DataSource` per ``data.schema``.
 
 - ``synthetic`` / ``criteo``: :class:`SyntheticSource`, Zipf ids and random labels
-  (:mod:`recpipe.pipeline.synthetic`); ``criteo`` is its 13-dense + 26-sparse layout.
-- ``movielens``: ``recpipe.pipeline.app.movielens.MovieLensSource``.
-- ``criteo_tsv``: ``recpipe.pipeline.app.criteo_tsv.CriteoTSVSource``.
+  (:mod:`recpipe.testing.synthetic`); ``criteo`` is its 13-dense + 26-sparse layout.
+- ``movielens``: ``recpipe.train.movielens.MovieLensSource``.
+- ``criteo_tsv``: ``recpipe.train.criteo_tsv.CriteoTSVSource``.
 
 The real-data modules are imported only when their schema is chosen.
 """
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from recpipe.pipeline.app.config import TrainConfig, UsageError
-from recpipe.pipeline.synthetic import Batch, ModelSpec, make_batch
+from recpipe.train.config import TrainConfig, UsageError
+from recpipe.testing.synthetic import Batch, ModelSpec, make_batch
 
 _PRIME = 1_000_003
 _EVAL_SEEDS = 1 << 62  # eval batch seeds start here: a range training seeds never reach
@@ -87,11 +87,11 @@ def make_source(cfg: TrainConfig) -> DataSource:
     schema = cfg.data.schema
     try:
         if schema == "movielens":
-            from recpipe.pipeline.app.movielens import MovieLensSource
+            from recpipe.train.movielens import MovieLensSource
 
             return MovieLensSource.from_config(cfg.data, cfg.model, cfg.data.seed)
         if schema == "criteo_tsv":
-            from recpipe.pipeline.app.criteo_tsv import CriteoTSVSource
+            from recpipe.train.criteo_tsv import CriteoTSVSource
 
             return CriteoTSVSource.from_config(cfg.data, cfg.model, cfg.data.seed)
     except FileNotFoundError as e:

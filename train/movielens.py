@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.pipeline.app.config import DataConfig, ModelConfig
-from recpipe.pipeline.synthetic import Batch, ModelSpec, TableSpec
+from recpipe.train.config import DataConfig, ModelConfig
+from recpipe.testing.synthetic import Batch, ModelSpec, TableSpec
 
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "data" / "movielens100k.npz"

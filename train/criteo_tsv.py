@@ -27,9 +27,9 @@ import torch
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT, CriteoIterDataPipe
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.pipeline.app.config import DataConfig, ModelConfig
-from recpipe.pipeline.app.movielens import eval_shares
-from recpipe.pipeline.synthetic import Batch, ModelSpec
+from recpipe.train.config import DataConfig, ModelConfig
+from recpipe.train.movielens import eval_shares
+from recpipe.testing.synthetic import Batch, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class CriteoTSVSource:
 
     def eval_batches(self, rank: int, world: int) -> Iterator[Batch]:
         """The eval lines, disjointly over ranks, as many batches on every rank
-        (:func:`~recpipe.pipeline.app.movielens.eval_shares`)."""
+        (:func:`~recpipe.train.movielens.eval_shares`)."""
         batches = eval_shares(self.n_eval, rank, world, self.batch_size)
         reader = self._lines(self.n_train + int(batches[0][0]))
         for positions in batches:

@@ -1,0 +1,83 @@
+"""The pipelines a benchmark can run, by name, each built only from public switches (torchrec's
+constructor options, recpipe's class attributes): ``PIPELINES[name](model, optimizer, device)``.
+
+Anchors: ``torchrec`` (``TrainPipelineSparseDist``, the time anchor), ``torchrec_base``
+(``TrainPipelineBase``: no overlap, the memory floor), ``torchrec_lite``
+(``TrainPipelineSparseDistLite``: one batch in flight, the input dist on main), and torchrec with
+its own memory options (``torchrec_early_free``, ``torchrec_clear_inputs``, ``torchrec_inplace``,
+``torchrec_free_clear``, ``torchrec_lean``: all of them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torchrec
+from torchrec.distributed.train_pipeline import TrainPipelineBase
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
+
+from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
+from recpipe.pipeline.data_parallel import BucketedAllReduce
+
+
+def _variant(name: str, **switches: object) -> type[RecpipePipeline]:
+    """recpipe's pipeline with class attributes ``switches`` set."""
+    return type(name, (RecpipePipeline,), dict(switches))
+
+
+def _with_options(cls: Callable, **options: object) -> Callable:
+    """``cls`` with torchrec's pipeline options set, where the installed torchrec has them
+    (``free_features_storage_early``, ``clear_data_dist_inputs``: >= 1.7)."""
+    params = inspect.signature(TorchrecPipeline).parameters
+    missing = [k for k in options if k not in params]
+
+    def make(*args, **kwargs):
+        if missing:
+            raise SystemExit(f"error: this torchrec ({torchrec.__version__}) has no "
+                             f"{', '.join(missing)}: pick another variant")
+        return cls(*args, **options, **kwargs)
+
+    return make
+
+
+_EARLY_FREE = dict(free_features_storage_early=True)
+_LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
+             clear_data_dist_inputs=True)
+# world size 1: the whole P1 into a depth-3 ring (depth 2: the host waits for main)
+_RING3 = _variant("RecpipeRing3", split_input_dist_permute=False)
+_A2A_MAIN = _variant("RecpipeA2AMain", all_to_all_outputs_on_main=True)
+
+PIPELINES: dict[str, Callable] = {
+    "torchrec": TorchrecPipeline,
+    "torchrec_base": TrainPipelineBase,
+    "torchrec_lite": TrainPipelineSparseDistLite,
+    "torchrec_inplace": _with_options(TorchrecPipeline, enable_inplace_copy_batch=True),
+    "torchrec_early_free": _with_options(TorchrecPipeline, **_EARLY_FREE),
+    "torchrec_clear_inputs": _with_options(TorchrecPipeline, clear_data_dist_inputs=True),
+    "torchrec_free_clear": _with_options(TorchrecPipeline, **_EARLY_FREE, clear_data_dist_inputs=True),
+    "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),
+    "recpipe": RecpipePipeline,
+    "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
+    "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
+    "recpipe_a2a_main": _A2A_MAIN,
+    "recpipe_a2a_main_lean": _with_options(_A2A_MAIN, **_LEAN),
+    "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
+    "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
+    "recpipe_ring3": _RING3,
+    "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2),
+    "recpipe_ring": _variant("RecpipeRing", ring_feature_permute=True),  # P1 ring on every rank
+    "recpipe_nccl_ar": RecpipePipeline,
+    "recpipe_symm_ar": RecpipePipeline,
+    "recpipe_auto_ar": RecpipePipeline,
+}
+
+#: The dense part's gradient all-reduce (default: torchrec's DDP): recpipe's compiled bucketed
+#: all-reduce through NCCL (gloo on CPU), through symmetric memory (CUDA, one host), or per
+#: bucket the fastest of the two in the machine's measured table (recpipe.ops.all_reduce_table).
+DENSE_ALLREDUCE: dict[str, Callable[[], BucketedAllReduce]] = {
+    "recpipe_nccl_ar": lambda: BucketedAllReduce(compile=True),
+    "recpipe_symm_ar": lambda: BucketedAllReduce(algorithm="symm_mem"),
+    "recpipe_auto_ar": lambda: BucketedAllReduce(algorithm="auto"),
+}

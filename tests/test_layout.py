@@ -1,0 +1,59 @@
+"""The house: the product packages (recpipe.pipeline, .kjt, .ops) stand alone, the app, the
+test model and the benchmarks import them and never the other way; no file edits sys.path;
+values that several packages need are defined once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_product_loads_no_hydra_no_app_no_bench_no_test_model() -> None:
+    code = (
+        "import sys, recpipe.pipeline, recpipe.kjt, recpipe.ops\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')"
+        " or m.startswith(('recpipe.train', 'recpipe.bench', 'recpipe.testing')))\n"
+        "print(','.join(bad))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "", f"the product imported {r.stdout.strip()}"
+    # and the check can fail: the app does load Hydra
+    r = subprocess.run([sys.executable, "-c", code.replace("recpipe.ops\n", "recpipe.ops, recpipe.train.config\n")],
+                       capture_output=True, text=True, timeout=300)
+    assert "hydra" in r.stdout
+
+
+def test_no_file_edits_sys_path() -> None:
+    offenders = [
+        str(p.relative_to(ROOT))
+        for folder in ("tests", "scripts", "examples", "bench", "train", "testing")
+        for p in (ROOT / folder).rglob("*.py")
+        if "sys.path" + ".insert" in p.read_text() or "sys.path" + ".append" in p.read_text()
+    ]
+    assert offenders == []
+
+
+def test_link_bandwidth_defaults_are_the_topology_module_s() -> None:
+    from recpipe.pipeline.topology import INTER_NODE_GB_S, INTRA_NODE_GB_S
+    from recpipe.train.config import HardwareConfig
+
+    assert (HardwareConfig.intra_node_gb_s, HardwareConfig.inter_node_gb_s) == (
+        INTRA_NODE_GB_S, INTER_NODE_GB_S)
+
+
+def test_hydra_model_presets_are_the_bench_configs() -> None:
+    """``model=NAME`` trains the tables of ``recpipe.bench.configs.CONFIGS[NAME]`` (batch and
+    pooling are the data's in the app)."""
+    import yaml
+
+    from recpipe.bench.configs import CONFIGS
+
+    keys = ("num_tables", "rows", "dim", "weighted", "sequence")
+    for name, spec in CONFIGS.items():
+        preset = yaml.safe_load((ROOT / "configs" / "model" / f"{name}.yaml").read_text())
+        assert {k: preset[k] for k in keys} == {k: getattr(spec, k) for k in keys}, name
+        assert tuple(preset.get("over_arch", [64])) == spec.over_arch, name
