@@ -38,7 +38,7 @@ from recpipe.train.config import DataConfig, ModelConfig
 from recpipe.testing.synthetic import Batch, ModelSpec, TableSpec
 
 
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "data" / "movielens100k.npz"
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "data" / "movielens100k.npz"
 AGE_EDGES = (18, 25, 35, 45, 50, 56)  # MovieLens-1M's age groups
 FEATURES = ("user", "item", "history", "genres", "occupation", "age", "zip")
 DENSE = ("release_year", "age", "gender", "log_user_events", "log_item_events",
