@@ -305,3 +305,17 @@ def test_criteo_errors_name_the_fix(tmp_path: Path) -> None:
     (tmp_path / "bad.tsv").write_text("1\t2\t3\n" * 10)
     with pytest.raises(ValueError, match="expected 40"):
         next(criteo(tmp_path / "bad.tsv", batch_size=2).eval_batches(0, 1))
+
+
+@pytest.mark.parametrize("seed", [0, 7, 123456789])
+def test_synthetic_eval_batches_are_not_training_batches(seed: int) -> None:
+    """torch keeps the low 32 bits of a seed: an eval seed of (1 << 62) + k made eval batch k a
+    training batch. No eval batch equals any training batch of the first steps, on 2 ranks."""
+    from recpipe.train.data import SyntheticSource
+    from recpipe.testing.synthetic import ModelSpec
+
+    source = SyntheticSource(ModelSpec(batch_size=8), seed)
+    for rank in (0, 1):
+        train = list(source.train_batches(rank, 2, 0, 64))
+        for held_out in source.eval_batches(rank, 2):
+            assert not any(torch.equal(held_out.dense, b.dense) for b in train)

@@ -18,7 +18,10 @@ from recpipe.train.config import TrainConfig, UsageError
 from recpipe.testing.synthetic import Batch, ModelSpec, make_batch
 
 _PRIME = 1_000_003
-_EVAL_SEEDS = 1 << 62  # eval batch seeds start here: a range training seeds never reach
+# torch's CPU generator uses only the low 32 bits of a seed: training batches get seeds below
+# 2**31, held-out batches seeds at or above it, so that no eval batch is a training batch
+_TRAIN_SEEDS = (1 << 31) - 1
+_EVAL_BIT = 1 << 31
 
 
 class DataSource(Protocol):
@@ -44,8 +47,9 @@ class DataSource(Protocol):
 @dataclass
 class SyntheticSource:
     """Zipf-id batches with random labels (AUC ~0.5 by construction): batch ``s`` of rank ``r``
-    is ``make_batch(spec, seed=(seed * P + r) * P + s)``, P = 1000003. ``eval_steps`` held-out
-    batches per rank come from seeds training never uses."""
+    is ``make_batch(spec, seed=((seed * P + r) * P + s) mod 2**31)``, P = 1000003. ``eval_steps``
+    held-out batches per rank come from seeds in [2**31, 2**32), which training never uses (torch
+    keeps the low 32 bits of a seed)."""
 
     spec: ModelSpec
     seed: int
@@ -66,7 +70,7 @@ class SyntheticSource:
         return cls(spec, d.seed)
 
     def _seed(self, rank: int, index: int) -> int:
-        return (self.seed * _PRIME + rank) * _PRIME + index
+        return ((self.seed * _PRIME + rank) * _PRIME + index) & _TRAIN_SEEDS
 
     def train_batches(self, rank: int, world: int, start: int, stop: int) -> Iterator[Batch]:
         for step in range(start, stop):
@@ -74,7 +78,7 @@ class SyntheticSource:
 
     def eval_batches(self, rank: int, world: int) -> Iterator[Batch]:
         for i in range(self.eval_steps):
-            yield make_batch(self.spec, seed=_EVAL_SEEDS + self._seed(rank, i))
+            yield make_batch(self.spec, seed=_EVAL_BIT | self._seed(rank, i))
 
     def baseline(self) -> dict[str, float] | None:
         return None
