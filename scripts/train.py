@@ -88,12 +88,13 @@ def _resume_command(checkpoint_dir: str) -> str:
     skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite")
     overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") not in skip]
     world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", "1")
+    python = shlex.quote(sys.executable)  # this environment's interpreter, not a bare `python`
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        launcher = "python"
-    elif world == local:
-        launcher = f"torchrun --nproc-per-node={local}"
+        launcher = python
+    elif world == local:  # one node: --standalone rendezvous again
+        launcher = f"{python} -m torch.distributed.run --standalone --nproc-per-node={local}"
     else:
-        launcher = "torchrun [the same options]"
+        launcher = f"{python} -m torch.distributed.run [the same options]"
     args = [sys.argv[0], *overrides, f"trainer.checkpoint_dir={checkpoint_dir}", "trainer.resume=true"]
     return f"{launcher} {shlex.join(args)}"
 

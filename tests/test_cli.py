@@ -51,9 +51,8 @@ def test_sigint_finishes_the_step_saves_and_prints_how_to_resume(gloo, tmp_path:
     assert 0 < step < 150 and m[2] == str(ck / f"step_{step}")
     assert (ck / "latest").read_text() == str(step) and _sums_ok(ck / f"step_{step}")
     command = shlex.split(m[3])
-    assert command[:2] == ["python", SCRIPT] and command[-1] == "trainer.resume=true"
-    r = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=ENV, capture_output=True,
-                       text=True, timeout=300)
+    assert command[:2] == [sys.executable, SCRIPT] and command[-1] == "trainer.resume=true"
+    r = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     reference = train(config(*run[:3], "trainer.checkpoint=false"), gloo, str(tmp_path / "ref"))
     assert _history(ck) == losses(reference)
@@ -93,7 +92,8 @@ def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> 
     ours = [x for x in output.splitlines() if x.startswith("interrupted")]
     assert len(ours) == 1, output
     step = int(re.match(r"interrupted \(SIGTERM\) after step (\d+): checkpoint ", ours[0])[1])
-    assert f"resume with: torchrun --nproc-per-node=2 {SCRIPT} " in ours[0]
+    launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2"
+    assert f"resume with: {launcher} {SCRIPT} " in ours[0]
     for ours_dir in ("scripts", "pipeline"):  # no traceback through our code, on any rank
         assert f'File "{ROOT / ours_dir}' not in output, output
     d = ck / f"step_{step}"
