@@ -206,6 +206,11 @@ class _Trainer:
                         self.ckpt and self.ckpt.path)
         finally:
             bar.close()
+        if stop < t.steps and self.rank == 0:  # trainer.stop_after: say where and how to go on
+            where = (f"checkpoint {self.ckpt.step_dir(stop)}; resume with the same command and "
+                     f"trainer.resume=true trainer.checkpoint_dir={self.ckpt.path}"
+                     if self.ckpt else "no checkpoint (trainer.checkpoint=false)")
+            log.info("stopped after step %d of %d (trainer.stop_after): %s", stop, t.steps, where)
         if final_eval and final_eval["step"] == t.steps:
             self._log_eval(final_eval)
         return rows
