@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from gpu_timing import device_ms
+from recpipe.bench.gpu_timing import device_ms
 from recpipe.ops.all_reduce import all_reduce_flat, compile_symmetric
 from recpipe.ops.all_reduce_table import (
     Latencies,

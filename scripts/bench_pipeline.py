@@ -127,7 +127,7 @@ def child(a: argparse.Namespace) -> None:
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                        schedule=schedule(wait=a.warmup, warmup=1, active=3, repeat=1))
     if a.snapshot and cuda:
-        from recpipe.bench.memory_snapshot import SnapshotProfiler
+        from recpipe.bench.snapshot_recording import SnapshotProfiler
 
         os.makedirs(a.snapshot, exist_ok=True)
         prof = SnapshotProfiler(os.path.join(a.snapshot, f"{a.run_one}-rank{rank}.pickle"))

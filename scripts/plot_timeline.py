@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memory_snapshot import (
+from recpipe.bench.memory_snapshot import (
     _SEGMENT_GROW,
     _SEGMENT_SHRINK,
     load,

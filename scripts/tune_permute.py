@@ -11,10 +11,10 @@ import itertools
 import statistics
 
 import torch
-from bench_permute import SHAPES, make_inputs
-import gpu_timing
 
 import recpipe.ops
+from recpipe.bench import gpu_timing
+from recpipe.bench.permute_inputs import SHAPES, make_inputs
 from recpipe.ops import permute_triton
 
 

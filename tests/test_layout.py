@@ -37,6 +37,17 @@ def test_no_file_edits_sys_path() -> None:
     assert offenders == []
 
 
+def test_scripts_are_entry_points_importing_no_sibling_script() -> None:
+    """What several scripts share lives in recpipe.bench, never in a script imported as a
+    module (which only works when Python happens to put scripts/ on its path)."""
+    import re
+
+    siblings = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    for p in (ROOT / "scripts").glob("*.py"):
+        imported = set(re.findall(r"^(?:from|import) (\w+)", p.read_text(), re.M))
+        assert imported & siblings == set(), p.name
+
+
 def test_link_bandwidth_defaults_are_the_topology_module_s() -> None:
     from recpipe.pipeline.topology import INTER_NODE_GB_S, INTRA_NODE_GB_S
     from recpipe.train.config import HardwareConfig

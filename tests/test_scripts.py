@@ -103,3 +103,16 @@ def test_plot_allreduce_shows_auto_never_above_nccl_on_the_shipped_table(tmp_pat
     assert picks["16 MiB"][0] == "two_shot" and picks["64 MiB"][0] == "nccl"
     assert all(ratio <= 1.0 for _, ratio in picks.values()) and len(picks) == 8
     assert (tmp_path / "ar.png").stat().st_size > 10_000
+
+
+def test_memory_snapshot_analysis_self_test_and_recording_without_cuda(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPTS / "memory_snapshot.py"), "--self-test"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "self-test: ok" in r.stdout, r.stderr
+    from recpipe.bench.snapshot_recording import SnapshotProfiler
+
+    prof = SnapshotProfiler(str(tmp_path / "s.pickle"))
+    prof.start()  # no CUDA here: records nothing, dumps nothing
+    prof.step()
+    prof.stop()
+    assert prof.dumped is None and not (tmp_path / "s.pickle").exists()
