@@ -45,9 +45,9 @@ def test_swap_example_losses_match_torchrec() -> None:
 
 
 def test_readme_snippet_is_the_example() -> None:
-    """The README's "Use it in your job" snippet is made of the example's own lines."""
+    """The README's "The one-line swap" snippet is made of the example's own lines."""
     readme = (EXAMPLE.parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Use it in your job"):]
+    section = readme[readme.index("## The one-line swap"):]
     snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
     example = {line.strip() for line in EXAMPLE.read_text().splitlines()}
     lines = [line.strip() for line in snippet.splitlines() if line.strip()]
