@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-.venv/bin/python -m pytest -q -n 2 --timeout 900 "$@"
+.venv/bin/python -m pytest -q -n 2 --timeout 900 --durations=15 "$@"
 TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:randomly --timeout 900 tests/test_permute_triton.py
