@@ -87,6 +87,12 @@ def clears_data_dist_inputs(pipeline: object) -> bool:
     return bool(getattr(pipeline, "_clear_data_dist_inputs", False))
 
 
+def frees_features_storage(pipeline: object) -> bool:
+    """Whether torchrec (>= 1.7) frees the input KJTs' storage itself in the input dist
+    (``free_features_storage_early``), which would empty memory the pipeline owns."""
+    return bool(getattr(pipeline, "_free_features_storage_early", False))
+
+
 def stale_index_refs(model: torch.nn.Module) -> Callable[[torch.Tensor], int]:
     """Counts, for a tensor, the other tensors on its memory that fbgemm's table-batched
     embedding modules keep alive after their forward: ``_indices``, the last batch's indices

@@ -34,3 +34,51 @@ def test_copy_batch_without_a_stream_is_plain_to() -> None:
     made: list[torch.Tensor] = []
     out = copy_batch(kjt, torch.device("cpu"), None, made)
     assert out.values() is kjt.values() and made == []  # nothing copied, nothing owned
+
+
+class _Stream:
+    """A CUDA stream stand-in that records the order of its waits and events."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.device, self.n = name, log, torch.device("cpu"), 0
+
+    def record_event(self) -> str:
+        self.n += 1
+        return f"{self.name}{self.n}"
+
+    def wait_event(self, event: str) -> None:
+        self.log.append(f"wait {event}")
+
+    def wait_stream(self, stream: "_Stream") -> None:
+        self.log.append(f"wait all of {stream.name}")
+
+
+def test_copy_ring_reuses_a_slot_after_the_release_of_the_batch_two_before(monkeypatch) -> None:
+    from recpipe.pipeline.buffers import CopyRing
+
+    log: list[str] = []
+    main, data_dist, memcpy = (_Stream(n, log) for n in ("main", "data_dist", "memcpy"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: memcpy)
+    ring = CopyRing(main)  # type: ignore[arg-type]
+    src = [torch.arange(100), torch.ones(3)]  # k=0: the KJT's values (freed early), k=1: dense
+
+    def copy(i: int) -> list[int]:
+        into = ring.into(i)
+        outs = [into(k, t) for k, t in enumerate(src)]
+        made = [t.clone() if o is None else o.copy_(t) for o, t in zip(outs, src)]
+        return [t.untyped_storage().data_ptr() for t in made]
+
+    first = copy(0)
+    assert ring.handed(0) == set() and log == []  # nothing learned yet: fresh memory
+    ring.release_read(0, {first[0]}, first, data_dist)  # P1 read position 0
+    for i in (1, 2, 3):
+        ptrs = copy(i)
+        assert ring.handed(i) == {ptrs[0]}  # the values go to the ring, the dense part not
+        ring.release_read(i, {ptrs[0]}, ptrs, data_dist)
+        ring.release(i)  # main's end-of-step event: not needed, the read released it
+    # batch 3 reused batch 1's slot after data_dist's event of batch 1, never main's
+    assert log == ["wait data_dist1"] and copy(4)[0] == ring.handed(4).pop()
+    assert log[-1] == "wait data_dist2"
+    ring.release(4)  # not read in P1 (structure changed): main's end-of-step event frees it
+    copy(6)
+    assert log[-1] == "wait main1"
