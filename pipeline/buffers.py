@@ -276,7 +276,9 @@ class CopyRing:
     A slot is instead reused on the device's clock: the copy stream waits on the slot's release.
 
     Which copies: the positions (the k-th host-to-device copy of a batch's ``to``) whose
-    storage the last released batch read in P1 (:meth:`release_read`); none before the first.
+    storage the last released batch read in P1 (:meth:`release_read`); every copy before the
+    first release, so that the first batches' copies are the slots' memory (the ring allocates
+    nothing beside them), and the others are dropped from the slots once known.
     Contract: :meth:`into` is called for a batch before its copy is queued, on the copy stream
     (current), which then waits for the slot's last release; :meth:`release_read` once every
     reader of the batch's P1 inputs is queued on ``stream``; :meth:`release` on main at the end
@@ -286,7 +288,7 @@ class CopyRing:
     def __init__(self, main: torch.cuda.Stream, depth: int = 2) -> None:
         self._main = main
         self._slots = [_CopySlot() for _ in range(depth)]
-        self._positions: frozenset[int] = frozenset()
+        self._positions: frozenset[int] | None = None  # None: not known yet, all
 
     def into(self, batch_index: int) -> Callable[[int, torch.Tensor], torch.Tensor | None]:
         """Destinations for batch ``batch_index``'s copy (see ``recpipe.kjt.copy_batch``)."""
@@ -294,7 +296,7 @@ class CopyRing:
         positions = self._positions
 
         def destination(k: int, src: torch.Tensor) -> torch.Tensor | None:
-            if k not in positions:
+            if positions is not None and k not in positions:
                 return None
             if slot.owner != batch_index:
                 self._wait_released(slot)
@@ -320,7 +322,11 @@ class CopyRing:
         queued on ``stream``: its slot is free after them if they cover what the slot handed
         out. ``copied``: the data_ptr of each of the batch's copies, in order, to learn the
         positions that later batches copy into the ring."""
-        self._positions = frozenset(k for k, ptr in enumerate(copied) if ptr in read)
+        positions = frozenset(k for k, ptr in enumerate(copied) if ptr in read)
+        if positions != self._positions:
+            self._positions = positions
+            for s in self._slots:  # a batch using a dropped buffer keeps its memory alive
+                s.buffers = {k: b for k, b in s.buffers.items() if k in positions}
         slot = self._slots[batch_index % len(self._slots)]
         if slot.owner == batch_index and slot.released is False and slot.handed <= read:
             slot.released = stream.record_event()

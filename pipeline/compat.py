@@ -1,4 +1,5 @@
-"""The one place for torchrec version differences (1.6 on the GPU machine, 1.8 in CI)."""
+"""The one place for torchrec version differences (1.6-1.9 on the GPU machine, 1.9 and 1.8 in
+CI)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ _PIPELINE_PARAMS = inspect.signature(TrainPipelineSparseDist.__init__).parameter
 def pipeline_options(**options: Any) -> dict[str, Any]:
     """The keyword arguments of torchrec's ``TrainPipelineSparseDist`` that the installed
     torchrec takes: an option it lacks (``free_features_storage_early``,
-    ``clear_data_dist_inputs``: torchrec >= 1.7) is dropped at its default (False) and refused
-    otherwise."""
+    ``clear_data_dist_inputs``: torchrec >= 1.7; ``async_inplace_copy``: >= 1.9) is dropped at its
+    default (False) and refused otherwise."""
     for name, value in options.items():
         if name not in _PIPELINE_PARAMS and value:
             raise TypeError(
                 f"recpipe TrainPipelineSparseDist: {name}={value!r} needs a torchrec that has it "
-                f"(>= 1.7; installed: {torchrec.__version__}): upgrade torchrec or leave it unset"
+                f"(installed: {torchrec.__version__}): upgrade torchrec or leave it unset"
             )
     return {name: value for name, value in options.items() if name in _PIPELINE_PARAMS}
 
@@ -91,6 +92,15 @@ def frees_features_storage(pipeline: object) -> bool:
     """Whether torchrec (>= 1.7) frees the input KJTs' storage itself in the input dist
     (``free_features_storage_early``), which would empty memory the pipeline owns."""
     return bool(getattr(pipeline, "_free_features_storage_early", False))
+
+
+def async_copy_executor(pipeline: object) -> Any:
+    """torchrec >= 1.9's ``async_inplace_copy`` worker (a one-thread executor that dispatches
+    the in-place batch copies, whose results the pipeline's ``batches`` deque resolves when
+    read), or None where it is off, unavailable (CPU) or absent (torchrec < 1.9)."""
+    if not getattr(pipeline, "_async_inplace_copy", False):
+        return None
+    return getattr(pipeline, "_inplace_copy_executor", None)
 
 
 def stale_index_refs(model: torch.nn.Module) -> Callable[[torch.Tensor], int]:

@@ -77,6 +77,7 @@ from recpipe.pipeline.buffers import (
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
+    async_copy_executor,
     clears_data_dist_inputs,
     release_all_to_all_input,
     dist_init_on_main_stream,
@@ -163,6 +164,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
     ) -> None:
         super().__init__(
             model, optimizer, device,
@@ -177,6 +179,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 enable_inplace_copy_batch=enable_inplace_copy_batch,
                 free_features_storage_early=free_features_storage_early,
                 clear_data_dist_inputs=clear_data_dist_inputs,
+                async_inplace_copy=async_inplace_copy,
             ),
         )
         cuda = self._device.type == "cuda"
@@ -227,8 +230,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._permuted_inputs.append if self._free_inputs else None,
         )
         self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
-        # batch index -> storage data_ptr of each tensor its copy made, in copy order
-        self._copied: dict[int, list[int]] = {}
+        # batch index -> the tensors its copy made, in copy order (filled by torchrec's
+        # async_inplace_copy worker, if on, before the batch is read)
+        self._copied: dict[int, list[torch.Tensor]] = {}
         ring_copies = (self._free_inputs and self.copy_into_ring and not self.inplace_copy_batch
                        and not frees_features_storage(self))
         self._copy_ring = CopyRing(main) if ring_copies else None
@@ -256,7 +260,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
         waited on it)."""
         kjts = {id(k): k for k in inputs}.values()
-        copied = self._copied.get(index, [])
+        copied = [t.untyped_storage().data_ptr() for t in self._copied.get(index, ())]
         owned = set(copied)
         if self._copy_ring is not None:  # its memory is reused, not freed
             owned -= self._copy_ring.handed(index)
@@ -278,7 +282,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     ) -> tuple[In | None, TrainPipelineContext | None]:
         """torchrec's, for any ``Pipelineable`` (no ``data_copy_stream`` argument needed): the
         batch is allocated on main and copied on the memcpy stream (torchrec's
-        ``_wait_for_batch`` makes main wait on it before the forward)."""
+        ``_wait_for_batch`` makes main wait on it before the forward). With torchrec 1.9's
+        ``async_inplace_copy``, dispatched by its worker thread as torchrec's is."""
         return self._copy_next(dataloader_iter, inplace=True)
 
     def _copy_next(
@@ -288,13 +293,22 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         batch = self._next_batch(dataloader_iter)
         if batch is not None:
             made: list[torch.Tensor] = []
+            self._copied[context.index] = made
+            executor = async_copy_executor(self) if inplace else None
+            if executor is not None:  # the worker allocates on this thread's current stream
+                consumer = torch.cuda.current_stream(self._device)
+                return executor.submit(self._copy_on, consumer, batch, made), context
             ring = self._copy_ring
             into = None if ring is None or inplace else ring.into(context.index)
             batch = copy_batch(batch, self._device, self._memcpy_stream, made, inplace, into)
-            self._copied[context.index] = [t.untyped_storage().data_ptr() for t in made]
         elif not self._execute_all_batches:
             raise StopIteration
         return batch, context
+
+    def _copy_on(self, consumer: torch.cuda.Stream, batch: In, made: list[torch.Tensor]) -> In:
+        """The in-place copy of ``batch`` with ``consumer`` current (async worker thread)."""
+        with torch.cuda.stream(consumer):
+            return copy_batch(batch, self._device, self._memcpy_stream, made, inplace=True)
 
     def _release_sent_inputs(self, context: TrainPipelineContext) -> None:
         """Give back what batch ``context``'s all-to-alls sent (the feature-permuted KJT, a

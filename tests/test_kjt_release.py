@@ -69,16 +69,18 @@ def test_copy_ring_reuses_a_slot_after_the_release_of_the_batch_two_before(monke
         return [t.untyped_storage().data_ptr() for t in made]
 
     first = copy(0)
-    assert ring.handed(0) == set() and log == []  # nothing learned yet: fresh memory
-    ring.release_read(0, {first[0]}, first, data_dist)  # P1 read position 0
+    assert ring.handed(0) == set(first) and log == []  # nothing learned yet: all in the ring
+    ring.release_read(0, {first[0]}, first, data_dist)  # P1 read position 0 only
+    ring.release(0)  # the dense copy was in the slot: main's end-of-step event frees it
+    assert ring.nbytes == (100 + 100 // 64) * 8  # the dense buffer left the ring
     for i in (1, 2, 3):
         ptrs = copy(i)
         assert ring.handed(i) == {ptrs[0]}  # the values go to the ring, the dense part not
         ring.release_read(i, {ptrs[0]}, ptrs, data_dist)
         ring.release(i)  # main's end-of-step event: not needed, the read released it
-    # batch 3 reused batch 1's slot after data_dist's event of batch 1, never main's
-    assert log == ["wait data_dist1"] and copy(4)[0] == ring.handed(4).pop()
+    # batch 2 reused batch 0's slot after main's event, batch 3 batch 1's after data_dist's
+    assert log == ["wait main1", "wait data_dist1"] and copy(4)[0] == ring.handed(4).pop()
     assert log[-1] == "wait data_dist2"
     ring.release(4)  # not read in P1 (structure changed): main's end-of-step event frees it
     copy(6)
-    assert log[-1] == "wait main1"
+    assert log[-1] == "wait main2"

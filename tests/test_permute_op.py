@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -370,3 +372,25 @@ def test_torch_compile_grads(device) -> None:
         grads.append((values.grad, weights.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_registrations_follow_torchs_custom_op_rules(device) -> None:
+    """No custom op returns an alias of its inputs (torch >= 2.13 deprecates that under
+    torch.compile): the into-buffers primitive mutates its declared outputs and returns nothing,
+    the differentiable one returns new tensors, and the public op is composite (decomposed before
+    tracing). Compiling and checking them warns nothing."""
+    into = torch.ops.recpipe._permute_2D_sparse_data_into.default._schema
+    functional = torch.ops.recpipe._permute_2D_sparse_data_functional.default._schema
+    assert not into.returns and not any(r.alias_info for r in functional.returns)
+    torch._dynamo.reset()
+    case = make_case(5, 3, 6, seed=9).to(device)
+    n = int(fbgemm_reference(case)[0].sum())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = torch.compile(permute_2D_sparse_data, fullgraph=True, dynamic=False)
+        f(*case.args(), n, *buffers(case, n, extra=1))
+        for args in _opcheck_arg_sets(device):
+            torch.library.opcheck(torch.ops.recpipe.permute_2D_sparse_data.default, args)
+    deprecations = [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+                    and "torch" in w.filename]
+    assert deprecations == [], [str(w.message) for w in deprecations]

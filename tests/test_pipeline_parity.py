@@ -7,6 +7,7 @@ ranks with ``RECPIPE_SHARED_GPU=1``: gloo).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -44,13 +45,13 @@ class OutputsOnMainPipeline(TrainPipelineSparseDist):
 
 def _train(
     rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
-    ours: type = TrainPipelineSparseDist, spec: ModelSpec = ModelSpec(),
+    ours: type = TrainPipelineSparseDist, spec: ModelSpec = ModelSpec(), options: dict | None = None,
 ) -> dict:
     pg = torch.distributed.group.WORLD
     out = {}
     for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", ours)):
         model, optimizer = build_sharded(spec, sharding, device, pg, seed=1)
-        pipeline = cls(model, optimizer, device)
+        pipeline = cls(model, optimizer, device, **(options or {}))
         it = batches(spec, steps, rank, seed=2, empty_at=EMPTY_AT)
         losses = []
         while True:
@@ -93,6 +94,23 @@ def test_single_rank_whole_feature_permute_bit_identical() -> None:
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS
     assert not r["split"] and r["ring_replaced"] == 0
+
+
+TORCHREC_OPTIONS = [  # those of the installed torchrec: 1.7 and 1.8 add two each, 1.9 one
+    o for o in (
+        {"enable_inplace_copy_batch": True, "async_inplace_copy": True},
+        {"free_features_storage_early": True, "clear_data_dist_inputs": True},
+        {"enable_inplace_copy_batch": True, "free_features_storage_early": True},
+    ) if set(o) <= set(inspect.signature(TorchrecPipeline).parameters)
+]
+
+
+@pytest.mark.parametrize("options", TORCHREC_OPTIONS, ids=lambda o: "+".join(o))
+def test_torchrec_options_compose(options: dict) -> None:
+    """torchrec's own options (its async copy worker: GPUs only, off on CPU) on both sides."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], 12, TrainPipelineSparseDist,
+                     ModelSpec(), options)
+    assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == 12
 
 
 def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
