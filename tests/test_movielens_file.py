@@ -82,7 +82,7 @@ def flipped_16_bytes(path: Path) -> None:
 def changed_rating(path: Path) -> None:
     """A readable file whose content differs from the recorded one in one rating."""
     arrays = standin_arrays()
-    arrays["event_rating"][0] = 6 - arrays["event_rating"][0]
+    arrays["event_rating"][0] = arrays["event_rating"][0] % 5 + 1  # another rating in 1..5
     np.savez_compressed(path, **arrays)
 
 

@@ -1,6 +1,6 @@
 """MovieLens-100k as a click-through task: label = rating >= 4, time-ordered train/eval split.
 
-The data is ``data/movielens100k.npz`` (made once by ``scripts/prepare_movielens.py``; its
+The data is ``data/movielens100k.npz`` (made by ``scripts/prepare_movielens.py``; its
 docstring gives the layout). Events are sorted by timestamp (stable); the last
 ``eval_fraction`` of them is the eval part. Each sample has, in one ``EmbeddingBagCollection``
 (module ``ebc``, features :data:`FEATURES`):
@@ -22,23 +22,46 @@ of ~0.74).
 
 The baseline (:meth:`MovieLensSource.baseline`) scores an eval sample with its item's smoothed
 mean label over the training part. numpy and torch only.
+
+The file is checked before use (:func:`read_arrays`): one that is missing, is no readable .npz
+(empty, truncated, bytes changed: zip's CRC) or lacks an array raises :class:`DataFileError`,
+one line naming the file and the command that rebuilds it; the default file's arrays must also
+hash to the recorded :data:`ARRAYS_SHA256` (a ``data.path`` file of one's own has no recorded
+checksum). ``scripts/prepare_movielens.py`` imports this module for the same check and must stay
+fast: importing it loads neither torch nor torchrec (they load where a source first uses them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import shlex
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.train.config import DataConfig, ModelConfig
-from recpipe.testing.synthetic import Batch, ModelSpec, TableSpec
+from recpipe.train.config import DataConfig, ModelConfig, UsageError
+
+if TYPE_CHECKING:
+    from recpipe.testing.synthetic import Batch
 
 
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "data" / "movielens100k.npz"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PATH = ROOT / "data" / "movielens100k.npz"
+PREPARE = ROOT / "scripts" / "prepare_movielens.py"
+#: the arrays of the file (scripts/prepare_movielens.py's docstring gives their layout)
+ARRAYS = ("event_user", "event_item", "event_rating", "event_time", "item_genres", "item_year",
+          "user_age", "user_gender", "user_occupation", "user_zip", "genre_names",
+          "occupation_names")
+#: :func:`arrays_sha256` of MovieLens-100k as scripts/prepare_movielens.py converts it: the
+#: recorded checksum of DEFAULT_PATH (of the arrays, not of the .npz's bytes, which also
+#: depend on numpy's and zlib's versions)
+ARRAYS_SHA256 = "4c6a6ee1d10242cbb377696ea12ffd3fb80338f14545eee84ba589c7f7c65ae2"
+MISSING = "is missing"  # DataFileError's problem for a file that is not there
 AGE_EDGES = (18, 25, 35, 45, 50, 56)  # MovieLens-1M's age groups
 FEATURES = ("user", "item", "history", "genres", "occupation", "age", "zip")
 DENSE = ("release_year", "age", "gender", "log_user_events", "log_item_events",
@@ -81,6 +104,75 @@ def eval_shares(n: int, rank: int, world: int, batch_size: int) -> list[np.ndarr
         raise ValueError(f"{n} eval samples cannot be split over {world} ranks")
     shares = np.array_split(np.arange(n), world)
     return np.array_split(shares[rank], math.ceil(len(shares[0]) / batch_size))
+
+
+class DataFileError(UsageError):
+    """A MovieLens file that cannot be used. ``problem`` says why (:data:`MISSING`, ``"is
+    empty"``, ``"is corrupt (...)"``); the message is one line: the file, the problem, and the command that
+    (re)builds the file with this interpreter (``scripts/train.py`` prints it as ``error: ...``)."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        self.path, self.problem = path, problem
+        verb = "build" if problem == MISSING else "rebuild"
+        super().__init__(f"{_shown(path)} {problem}: {verb} it with {prepare_command(path)}")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a shell word: relative to the working directory if it lies under it."""
+    cwd = Path.cwd()
+    return shlex.quote(os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path))
+
+
+def prepare_command(out: Path) -> str:
+    """The command that writes the MovieLens file ``out`` with this interpreter, e.g.
+    ``.venv/bin/python scripts/prepare_movielens.py`` (``--out`` unless ``out`` is the default
+    path)."""
+    command = f"{_shown(Path(sys.executable))} {_shown(PREPARE)}"
+    return command if out.resolve() == DEFAULT_PATH else f"{command} --out {_shown(out)}"
+
+
+def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 over ``arrays`` in name order: each one's name, dtype, shape and bytes (C order);
+    the same however an .npz stores them."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name} {a.dtype.str} {a.shape}\n".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def _one_line(e: Exception, width: int = 80) -> str:
+    """``e`` as ``Type: message`` on one line of at most ``width`` characters, the type
+    qualified unless built in (``zipfile.BadZipFile``, ``zlib.error``, ``EOFError``)."""
+    kind = type(e)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    text = " ".join(f"{name}: {e}".split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def read_arrays(path: Path, sha256: str | None) -> dict[str, np.ndarray]:
+    """The arrays of the .npz file ``path``. Raises :class:`DataFileError` if it is missing or
+    empty, is no readable .npz (truncated, bytes changed: zip's CRC-32...), lacks one of
+    :data:`ARRAYS`, or, given ``sha256``, if its :func:`arrays_sha256` differs from it."""
+    if not path.exists():
+        raise DataFileError(path, MISSING)
+    if path.is_file() and path.stat().st_size == 0:
+        raise DataFileError(path, "is empty")
+    try:
+        with np.load(path) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:  # damage surfaces as any of zipfile's, zlib's, numpy's, OSError...
+        raise DataFileError(path, f"is corrupt ({_one_line(e)})") from None
+    missing = [k for k in ARRAYS if k not in arrays]
+    if missing:
+        raise DataFileError(path, f"is corrupt (no array {', '.join(missing)})")
+    if sha256 is not None and (found := arrays_sha256(arrays)) != sha256:
+        raise DataFileError(path, f"is corrupt (sha256 mismatch: its arrays hash to "
+                                  f"{found[:12]}..., recorded {sha256[:12]}...)")
+    return arrays
 
 
 class _Earlier:
@@ -201,6 +293,8 @@ class MovieLensSource:
         rows = {"user": len(arrays["user_age"]), "item": len(arrays["item_year"]),
                 "genre": genres.shape[1], "occupation": len(arrays["occupation_names"]),
                 "age": len(AGE_EDGES) + 1, "zip": len(zips)}
+        from recpipe.testing.synthetic import ModelSpec, TableSpec  # torchrec: module docstring
+
         self.spec = ModelSpec(
             dim=dim, dense_in=len(DENSE), batch_size=batch_size, over_arch=over_arch,
             layout={"ebc": tuple(TableSpec(name, rows[name], dim, feats, pooling)
@@ -210,15 +304,11 @@ class MovieLensSource:
 
     @classmethod
     def from_config(cls, data: DataConfig, model: ModelConfig, seed: int) -> MovieLensSource:
-        """Load ``data.path`` (default ``data/movielens100k.npz``); ``seed`` orders the
-        training part (the trainer passes ``data.seed``); every table has ``model.dim``."""
+        """Load ``data.path`` (default ``data/movielens100k.npz``, checked against
+        :data:`ARRAYS_SHA256`) with :func:`read_arrays`; ``seed`` orders the training part (the
+        trainer passes ``data.seed``); every table has ``model.dim``."""
         path = Path(data.path) if data.path else DEFAULT_PATH
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} not found: run `python scripts/prepare_movielens.py` "
-                f"(bash scripts/setup_venv.sh does it once)")
-        with np.load(path) as f:
-            arrays = {k: f[k] for k in f.files}
+        arrays = read_arrays(path, ARRAYS_SHA256 if path.resolve() == DEFAULT_PATH else None)
         return cls(arrays, batch_size=data.batch_size, eval_fraction=data.eval_fraction,
                    max_history=data.max_history, seed=seed, dim=model.dim,
                    over_arch=tuple(model.over_arch), label_scope=data.label_scope)
@@ -264,6 +354,11 @@ class MovieLensSource:
 
     def batch(self, positions: np.ndarray) -> Batch:
         """The batch of the given events (time-ordered positions)."""
+        import torch  # here, not at the top: see the module docstring
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from recpipe.testing.synthetic import Batch
+
         item = self._ids["item"][positions]
         jagged = {
             "history": (self._history_items, self._history_start[positions],
