@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): set up .venv if needed, then run the suite in parallel and
-# the Triton kernels under the interpreter. pytest's exit code 5 (no tests collected) fails too.
+# the Triton kernels under the interpreter; then the drop-in, interception and parity tests on
+# the previous stack too (.venv-1.8: torchrec 1.8, torch 2.13). pytest's exit code 5 (no tests
+# collected) fails too. Arguments go to the main suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 .venv/bin/python -m pytest -q -n 2 --timeout 900 --durations=15 "$@"
 TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:randomly --timeout 900 tests/test_permute_triton.py
+bash scripts/setup_venv.sh 1.8
+.venv-1.8/bin/python -m pytest -q -n 2 --timeout 900 -p no:cacheprovider \
+  tests/test_dropin.py tests/test_interception.py tests/test_pipeline_parity.py -k "not four_ranks"
