@@ -15,7 +15,6 @@ strides) stays what the batch's ``to`` makes of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -23,33 +22,23 @@ from torch.overrides import TorchFunctionMode
 
 T = TypeVar("T")
 
-#: ``into(k, src)``: a device tensor shaped and typed like ``src`` for a batch's k-th
-#: host-to-device copy to write into, or None for fresh memory.
-Destination = Callable[[int, torch.Tensor], "torch.Tensor | None"]
-
 
 class _CopyOn(TorchFunctionMode):
-    """Inside: ``t.to(device, ...)`` of a host tensor is recorded in ``made``; it writes into
-    ``into``'s destination where there is one (on the current stream), else with ``inplace``
+    """Inside: ``t.to(device, ...)`` of a host tensor is recorded in ``made``; with ``inplace``
     it allocates on the current stream and copies on ``stream``. Other calls run unchanged."""
 
     def __init__(
-        self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor], inplace: bool,
-        into: Destination | None,
+        self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor], inplace: bool
     ) -> None:
         super().__init__()
         self.device, self.stream, self.made, self.inplace = device, stream, made, inplace
-        self.into = into
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not torch.Tensor.to or not self._is_host_to_device(args, kwargs):
             return func(*args, **kwargs)
-        src = args[0]
-        out = None if self.into is None else self.into(len(self.made), src)
-        if out is not None:
-            out.copy_(src, non_blocking=kwargs.get("non_blocking", False))
-        elif self.inplace:
+        if self.inplace:
+            src = args[0]
             out = torch.empty_like(src, device=self.device)  # on the current stream
             self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
             with torch.cuda.stream(self.stream):
@@ -78,7 +67,7 @@ def _indexed(device: torch.device) -> torch.device:
 
 def copy_batch(
     batch: T, device: torch.device, stream: torch.Stream | None,
-    made: list[torch.Tensor] | None = None, inplace: bool = True, into: Destination | None = None,
+    made: list[torch.Tensor] | None = None, inplace: bool = True,
 ) -> T:
     """``batch.to(device, non_blocking=True)`` with every host-to-device copy on ``stream``.
 
@@ -92,15 +81,10 @@ def copy_batch(
 
     ``made`` (if given) gets every tensor the copy allocated: what the caller owns, as opposed
     to tensors that ``to`` returned as they were (already on ``device``).
-    ``into`` (with ``inplace=False``): caller-owned destinations, written on ``stream``, which
-    the caller has ordered after their last readers; ``made`` holds them too, in copy order.
     ``stream=None`` (CPU pipelines): a plain ``batch.to(device, non_blocking=True)``.
     """
     if stream is None:
         return batch.to(device, non_blocking=True)
-    if into is not None and inplace:
-        raise ValueError("copy_batch: into= writes on the copy stream; it needs inplace=False")
-    made = [] if made is None else made
-    mode = _CopyOn(_indexed(torch.device(device)), stream, made, inplace, into)
+    mode = _CopyOn(_indexed(torch.device(device)), stream, [] if made is None else made, inplace)
     with torch.cuda.stream(torch.cuda.current_stream() if inplace else stream), mode:
         return batch.to(device, non_blocking=True)

@@ -13,9 +13,6 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   that last used the slot was queued a step earlier, so the wait costs nothing and no host sync
   on data_dist waits for main's queued work. Split permute (:meth:`BufferRing.split_runner`,
   2 slots, values/weights only): written on a side stream, which alone waits for the slot.
-
-And one for the batch copy: :class:`CopyRing`, pipeline-owned destinations for the host-to-device
-copies of the input KJTs that the pipeline frees early, written on the memcpy stream.
 """
 
 from __future__ import annotations
@@ -256,95 +253,3 @@ def _grown(spec: PermuteSpec) -> PermuteBuffers:
             spec.device,
         )
     )
-
-
-@dataclass
-class _CopySlot:
-    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # copy position -> buffer
-    owner: int | None = None  # index of the batch whose copy last wrote this slot
-    handed: set[int] = field(default_factory=set)  # data_ptrs handed to the owner
-    released: torch.cuda.Event | bool = True  # event after the owner's last reader
-
-
-class CopyRing:
-    """Pipeline-owned memory for the host-to-device copies that the pipeline frees early (the
-    input KJTs that P1 permuted): ``depth`` slots, batch ``i`` copies into slot ``i % depth``.
-
-    Fresh copies come from the memcpy stream's pool, where a block freed early is reusable only
-    once the allocator sees its readers done on the host's clock: with the host a step ahead,
-    the next batch's copy takes a new block and the pool keeps a batch-sized block cached free.
-    A slot is instead reused on the device's clock: the copy stream waits on the slot's release.
-
-    Which copies: the positions (the k-th host-to-device copy of a batch's ``to``) whose
-    storage the last released batch read in P1 (:meth:`release_read`); every copy before the
-    first release, so that the first batches' copies are the slots' memory (the ring allocates
-    nothing beside them), and the others are dropped from the slots once known.
-    Contract: :meth:`into` is called for a batch before its copy is queued, on the copy stream
-    (current), which then waits for the slot's last release; :meth:`release_read` once every
-    reader of the batch's P1 inputs is queued on ``stream``; :meth:`release` on main at the end
-    of the batch's step (the fallback when a slot copy was not among the P1 inputs).
-    """
-
-    def __init__(self, main: torch.cuda.Stream, depth: int = 2) -> None:
-        self._main = main
-        self._slots = [_CopySlot() for _ in range(depth)]
-        self._positions: frozenset[int] | None = None  # None: not known yet, all
-
-    def into(self, batch_index: int) -> Callable[[int, torch.Tensor], torch.Tensor | None]:
-        """Destinations for batch ``batch_index``'s copy (see ``recpipe.kjt.copy_batch``)."""
-        slot = self._slots[batch_index % len(self._slots)]
-        positions = self._positions
-
-        def destination(k: int, src: torch.Tensor) -> torch.Tensor | None:
-            if positions is not None and k not in positions:
-                return None
-            if slot.owner != batch_index:
-                self._wait_released(slot)
-                slot.owner, slot.released, slot.handed = batch_index, False, set()
-            buffer = slot.buffers.get(k)
-            if buffer is None or buffer.dtype != src.dtype or buffer.numel() < src.numel():
-                n = src.numel() + src.numel() // _HEADROOM
-                buffer = slot.buffers[k] = torch.empty(n, dtype=src.dtype, device=self._main.device)
-            out = buffer[: src.numel()].view(src.shape)
-            slot.handed.add(out.untyped_storage().data_ptr())
-            return out
-
-        return destination
-
-    def handed(self, batch_index: int) -> set[int]:
-        """The storage data_ptrs of the ring memory that batch ``batch_index``'s copy got."""
-        slot = self._slots[batch_index % len(self._slots)]
-        return slot.handed if slot.owner == batch_index else set()
-
-    def release_read(self, batch_index: int, read: set[int], copied: list[int],
-                     stream: torch.cuda.Stream) -> None:
-        """Batch ``batch_index``'s P1 inputs (storage data_ptrs ``read``) have every reader
-        queued on ``stream``: its slot is free after them if they cover what the slot handed
-        out. ``copied``: the data_ptr of each of the batch's copies, in order, to learn the
-        positions that later batches copy into the ring."""
-        positions = frozenset(k for k, ptr in enumerate(copied) if ptr in read)
-        if positions != self._positions:
-            self._positions = positions
-            for s in self._slots:  # a batch using a dropped buffer keeps its memory alive
-                s.buffers = {k: b for k, b in s.buffers.items() if k in positions}
-        slot = self._slots[batch_index % len(self._slots)]
-        if slot.owner == batch_index and slot.released is False and slot.handed <= read:
-            slot.released = stream.record_event()
-
-    def release(self, batch_index: int) -> None:
-        """On main, once batch ``batch_index``'s step is queued: its slot is free after it,
-        unless :meth:`release_read` freed it earlier."""
-        slot = self._slots[batch_index % len(self._slots)]
-        if slot.owner == batch_index and slot.released is False:
-            slot.released = self._main.record_event()
-
-    def _wait_released(self, slot: _CopySlot) -> None:
-        current = torch.cuda.current_stream(self._main.device)
-        if slot.released is False:  # never released (a batch dropped): after all main's work
-            current.wait_stream(self._main)
-        elif slot.released is not True:
-            current.wait_event(slot.released)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())

@@ -88,12 +88,6 @@ def clears_data_dist_inputs(pipeline: object) -> bool:
     return bool(getattr(pipeline, "_clear_data_dist_inputs", False))
 
 
-def frees_features_storage(pipeline: object) -> bool:
-    """Whether torchrec (>= 1.7) frees the input KJTs' storage itself in the input dist
-    (``free_features_storage_early``), which would empty memory the pipeline owns."""
-    return bool(getattr(pipeline, "_free_features_storage_early", False))
-
-
 def async_copy_executor(pipeline: object) -> Any:
     """torchrec >= 1.9's ``async_inplace_copy`` worker (a one-thread executor that dispatches
     the in-place batch copies, whose results the pipeline's ``batches`` deque resolves when

@@ -23,9 +23,6 @@ where the two permutes of the sparse input distribution write (docs/design.md):
 - The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
   dists are queued, as torchrec >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
   and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
-- The batch's input KJTs as copied (``copy_into_ring``): the tensors that ``free_inputs_early``
-  frees are copied into a pipeline-owned 2-slot :class:`~recpipe.pipeline.buffers.CopyRing` on
-  the memcpy stream, whose slot waits (on the device) for the release of the batch two before.
 - The batch copy itself (``inplace_copy_batch``, off by default): main-stream memory for any
   ``Pipelineable`` (:func:`recpipe.kjt.copy_batch`).
 
@@ -67,13 +64,7 @@ from recpipe.kjt import (
     release_storage,
     write_into,
 )
-from recpipe.pipeline.buffers import (
-    BufferRing,
-    CopyRing,
-    EmptyOnMain,
-    SideWrite,
-    main_stream_allocator,
-)
+from recpipe.pipeline.buffers import BufferRing, EmptyOnMain, SideWrite, main_stream_allocator
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
@@ -81,7 +72,6 @@ from recpipe.pipeline.compat import (
     clears_data_dist_inputs,
     release_all_to_all_input,
     dist_init_on_main_stream,
-    frees_features_storage,
     pipeline_options,
     stale_index_refs,
 )
@@ -136,12 +126,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: a model whose forward reads the sparse features only through the pipelined (sharded)
     #: modules, as torchrec's option does.
     free_inputs_early: bool = True
-    #: With ``free_inputs_early``: copy the tensors it frees (found on the batches before) into
-    #: a pipeline-owned 2-slot ring (:class:`~recpipe.pipeline.buffers.CopyRing`) rather than
-    #: fresh blocks of the memcpy stream's pool, where a block freed early is reused only once
-    #: the host sees its readers done, so the pool keeps a batch-sized block cached free.
-    #: Not with ``inplace_copy_batch`` or torchrec's ``free_features_storage_early``.
-    copy_into_ring: bool = True
     #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
     #: on the main stream (:class:`~recpipe.pipeline.buffers.EmptyOnMain`), so that they come
     #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
@@ -230,12 +214,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._permuted_inputs.append if self._free_inputs else None,
         )
         self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
-        # batch index -> the tensors its copy made, in copy order (filled by torchrec's
-        # async_inplace_copy worker, if on, before the batch is read)
+        # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
+        # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
-        ring_copies = (self._free_inputs and self.copy_into_ring and not self.inplace_copy_batch
-                       and not frees_features_storage(self))
-        self._copy_ring = CopyRing(main) if ring_copies else None
 
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
@@ -259,14 +240,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
         waited on it)."""
-        kjts = {id(k): k for k in inputs}.values()
-        copied = [t.untyped_storage().data_ptr() for t in self._copied.get(index, ())]
-        owned = set(copied)
-        if self._copy_ring is not None:  # its memory is reused, not freed
-            owned -= self._copy_ring.handed(index)
-            read = {t.untyped_storage().data_ptr() for k in kjts for t in _kjt_tensors(k)}
-            self._copy_ring.release_read(index, read, copied, self._data_dist_stream)
-        for kjt in kjts:
+        owned = {t.untyped_storage().data_ptr() for t in self._copied.get(index, ())}
+        for kjt in {id(k): k for k in inputs}.values():
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 
     def copy_batch_to_gpu(
@@ -298,9 +273,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if executor is not None:  # the worker allocates on this thread's current stream
                 consumer = torch.cuda.current_stream(self._device)
                 return executor.submit(self._copy_on, consumer, batch, made), context
-            ring = self._copy_ring
-            into = None if ring is None or inplace else ring.into(context.index)
-            batch = copy_batch(batch, self._device, self._memcpy_stream, made, inplace, into)
+            batch = copy_batch(batch, self._device, self._memcpy_stream, made, inplace)
         elif not self._execute_all_batches:
             raise StopIteration
         return batch, context
@@ -365,8 +338,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
         self._copied.pop(self.contexts[0].index, None)
-        if self._copy_ring is not None:
-            self._copy_ring.release(self.contexts[0].index)
         self._received.pop(self.contexts[0].index, None)
         super().dequeue_batch()
 
@@ -410,13 +381,6 @@ class _DistInitRedirected(Awaitable[Any]):
         inputs = [all_to_all_input(a) for a in all_to_all_awaitables(self._inner)]
         with as_type([k for k in inputs if type(k) is KeyedJaggedTensor], self._kjt_type):
             return self._inner.wait()
-
-
-def _kjt_tensors(kjt: KeyedJaggedTensor) -> Iterator[torch.Tensor]:
-    """The device tensors of ``kjt`` that hold its data."""
-    for t in (kjt.values(), kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.weights_or_none()):
-        if t is not None:
-            yield t
 
 
 def _bucketized(model: torch.nn.Module) -> bool:

@@ -10,31 +10,51 @@ Configs: configs/ (groups model, data, sharding, pipeline, hardware, trainer); t
 value checks: recpipe.train.config. Output (rank 0): <output_dir>/<time>-<pipeline>/
 with config.yaml, metrics.jsonl and checkpoint/ (unless trainer.checkpoint_dir is given).
 
-A usage problem (a key or value Hydra cannot compose, a bad value, an option this machine cannot
-run, a checkpoint directory that cannot be used as asked, a diverged loss) ends the run with one
-line ``error: ...`` and exit status 1. SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line naming
-it and the command that resumes it (exit status 130/143).
+Exit status and what is printed (rank 0, on stderr):
+
+- 1, one line ``error: ...``: a usage problem (a key or value Hydra cannot compose, a bad value,
+  an option this machine cannot run, a checkpoint directory that cannot be used as asked, a
+  diverged loss); a config error fails before torch is imported (in about 1 s).
+- 1, one line ``error: ...`` naming a log file with the traceback: any other exception
+  (``<run dir>/error-rank<R>.log``, or ``<output_dir>/`` before the run directory exists) and
+  the checkpoint to resume from. ``RECPIPE_TRACEBACK=1`` prints the traceback here instead.
+- 130/143: SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line
+  naming it and the command that resumes it.
+
+Under torchrun each rank exits with these statuses and writes its line into torchrun's error
+file (``TORCHELASTIC_ERROR_FILE``), which torchrun's failure report shows as the root cause.
+torchrun itself exits 1 whenever a rank fails or it gets a signal, and prints its own report
+(ChildFailedError, or for a signal sent to torchrun its SignalException traceback) after our
+line; a worker cannot change either.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
 import signal
 import sys
+import time
+import traceback
 import warnings
+from typing import TYPE_CHECKING, NoReturn
 
 import hydra
-import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recpipe.train.config import UsageError, composition_error, register, validate
 
+if TYPE_CHECKING:  # torch loads in 3 s: imported once the config is valid
+    import torch
+
 register()
 log = logging.getLogger("recpipe")
+
+#: set to 1: an unexpected exception's traceback on stderr, not in a file
+TRACEBACK_ENV = "RECPIPE_TRACEBACK"
 
 #: FutureWarnings about torchrec 1.8's internals (its planner's defaults, its DDP arguments, the
 #: ShardedTensors DCP loads), printed on every run: (module, message)
@@ -62,11 +82,27 @@ def _console(rank: int) -> None:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
 
 
+def _quiet_torch() -> None:
+    """Once torch is loaded: its log warnings off, errors on (torchrec 1.8 calls a deprecated
+    torch.fx function), as when torch loaded before Hydra disabled every existing logger.
+    ``TORCH_LOGS``, if set, decides instead."""
+    if "TORCH_LOGS" not in os.environ:
+        logging.getLogger("torch").setLevel(logging.ERROR)
+
+
 #: launched by torchrun (else one process; read before the first job sets RANK for itself)
 TORCHRUN = "RANK" in os.environ
 
 
+def _rank() -> int:
+    """This process's rank: torchrun's ``RANK``, or 0 (one process)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _init_distributed(backend: str) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
     if not TORCHRUN:  # plain `python scripts/train.py`: one process, a free port
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -99,21 +135,69 @@ def _resume_command(checkpoint_dir: str) -> str:
     return f"{launcher} {shlex.join(args)}"
 
 
-def _run(dcfg: DictConfig) -> list[dict]:
-    """Validate, start the process group, train; the metrics rows rank 0 logged."""
+def _end(status: int, line: str) -> NoReturn:
+    """End this rank with exit status ``status``: rank 0 prints ``line`` on stderr; under
+    torchrun every rank writes it into its error file, whose message torchrun's failure report
+    shows (instead of a link to torchrun's docs)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:  # the format torchrun's own @record writes: its report shows py_callstack
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    if _rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def _unexpected(exc: BaseException, directory: str, checkpoint: tuple[str, str] | None) -> str:
+    """The ``error:`` line for an exception that is no usage error: its type and message's
+    first line, where its traceback went (:func:`_keep_traceback`) and, with ``checkpoint``
+    (step directory, checkpoint directory), how to resume."""
+    what = (str(exc).strip().splitlines() or [""])[0][:300]
+    where = _keep_traceback("".join(traceback.format_exception(exc)), directory)
+    resume = (f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1])}"
+              if checkpoint else "")
+    return f"error: {type(exc).__name__}{': ' * bool(what)}{what} ({where}){resume}"
+
+
+def _keep_traceback(text: str, directory: str) -> str:
+    """Write ``text`` (a traceback) into ``directory/error-rank<R>.log``, or on stderr with
+    ``RECPIPE_TRACEBACK=1`` or where that file cannot be written; returns where, in words."""
+    failed = ""
+    if os.environ.get(TRACEBACK_ENV, "0") in ("", "0"):
+        path = os.path.join(directory, f"error-rank{_rank()}.log")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+            return f"the traceback is in {path}; {TRACEBACK_ENV}=1 prints it here"
+        except OSError as e:
+            failed = f"; {path}: {e.strerror}"
+    print(text, end="", file=sys.stderr, flush=True)
+    return f"the traceback is above{failed}"
+
+
+def _run(dcfg: DictConfig) -> None:
+    """Validate, start the process group, train; ends the process on an interruption or an
+    unexpected exception in training."""
     cfg = OmegaConf.to_object(dcfg)
     validate(cfg)
     device = _init_distributed(cfg.hardware.backend)
     # imported once the config is valid: the trainer loads torchrec
-    from recpipe.train.trainer import TrainingInterrupted, train
+    import torch.distributed as dist
 
+    from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
+
+    _quiet_torch()
     try:
-        return train(cfg, device)
+        train(cfg, device)
     except TrainingInterrupted as e:
         where = (f"checkpoint {e.checkpoint}; resume with: {_resume_command(e.checkpoint_dir)}"
                  if e.checkpoint else "no checkpoint (trainer.checkpoint=false)")
-        log.warning("interrupted (%s) after step %d: %s", signal.Signals(e.signum).name, e.step, where)
-        raise SystemExit(128 + e.signum) from None
+        _end(128 + e.signum,
+             f"interrupted ({signal.Signals(e.signum).name}) after step {e.step}: {where}")
+    except RunFailed as e:
+        _end(1, _unexpected(e.__cause__, e.run_dir or cfg.output_dir, e.checkpoint))
     finally:
         dist.destroy_process_group()
 
@@ -123,20 +207,15 @@ CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "config
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    _console(rank)
+    _console(_rank())
     try:
-        rows = _run(dcfg)
+        _run(dcfg)
     except UsageError as e:
-        raise SystemExit(f"error: {e}" if rank == 0 else 1) from None
+        _end(1, f"error: {e}")
     except KeyboardInterrupt:
-        log.warning("interrupted before training started: nothing saved")
-        raise SystemExit(130) from None
-    train_rows = [r for r in rows if "loss" in r]
-    if train_rows:
-        first, last = train_rows[0], train_rows[-1]
-        log.info("done: loss %.4f -> %.4f, auc %.3f, %.0f samples/s", first["loss"], last["loss"],
-                 last["auc"], last["samples_per_s"])
+        _end(130, "interrupted before training started: nothing saved")
+    except Exception as e:  # outside training (the process group...): as RunFailed
+        _end(1, _unexpected(e, dcfg.output_dir, None))
 
 
 def _check_overrides(args: list[str]) -> None:
@@ -146,7 +225,7 @@ def _check_overrides(args: list[str]) -> None:
         return
     error = composition_error(CONFIGS, "train", args)
     if error:
-        raise SystemExit(f"error: {error}" if int(os.environ.get("RANK", "0")) == 0 else 1)
+        _end(1, f"error: {error}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from test_train import SYNTHETIC, ROOT, config, gloo, losses, one_rank  # noqa: F401 (gloo: a fixture)
 
-from recpipe.train.checkpoint import PAUSE_ENV, CheckpointDir, CheckpointError
+from recpipe.train.checkpoint import PAUSE_ENV, CheckpointDir, CheckpointError, identity
 from recpipe.train.data import SyntheticSource
 from recpipe.train.trainer import NonFiniteError, train
 from recpipe.testing.synthetic import build_sharded
@@ -253,6 +253,20 @@ def test_refused_naming_the_problem_and_the_fix(gloo, made: Path, tmp_path: Path
         release()
     assert message in str(e.value) and "\n" not in str(e.value)
     assert latest_state(ck) == before and not (tmp_path / "out").exists()
+
+
+def test_keys_the_data_source_does_not_read_do_not_block_a_resume(gloo, made: Path, tmp_path: Path) -> None:
+    """MovieLens reads no ``model.num_tables``, the synthetic data no ``data.max_history``:
+    changing them resumes; a key the source reads is still compared."""
+    movielens = ("data=movielens", "model=movielens")
+    assert identity(config(*movielens, "model.num_tables=9")) == identity(config(*movielens))
+    assert identity(config(*movielens, "data.max_history=5")) != identity(config(*movielens))
+    ck = tmp_path / "ck"
+    shutil.copytree(made, ck)
+    unused = ("data.max_history=5", "data.label_scope=train", "data.eval_fraction=0.5")
+    train(config(*RUN, *RESUME, *unused, "trainer.steps=22", f"trainer.checkpoint_dir={ck}"),
+          gloo, str(tmp_path / "out"))
+    assert (ck / "latest").read_text() == "22"
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_at_load(gloo, made: Path, tmp_path: Path) -> None:

@@ -43,9 +43,11 @@ def test_sigint_finishes_the_step_saves_and_prints_how_to_resume(gloo, tmp_path:
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
-    assert (out + err).splitlines() == [err.strip()]  # one line, no traceback
+    *progress, last = err.splitlines()
+    assert out == "" and progress[0].startswith("step 1/150: loss "), err  # off a terminal: lines
+    assert all(x.startswith("step ") for x in progress), err  # and no traceback
     m = re.fullmatch(r"interrupted \(SIGINT\) after step (\d+): checkpoint (\S+); resume with: (.+)",
-                     err.strip())
+                     last)
     assert m, err
     step = int(m[1])
     assert 0 < step < 150 and m[2] == str(ck / f"step_{step}")
@@ -96,6 +98,7 @@ def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> 
     assert f"resume with: {launcher} {SCRIPT} " in ours[0]
     for ours_dir in ("scripts", "pipeline"):  # no traceback through our code, on any rank
         assert f'File "{ROOT / ours_dir}' not in output, output
+    assert f"  traceback : {ours[0]}" in output.splitlines(), output  # torchrun's report: ours
     d = ck / f"step_{step}"
     assert (ck / "latest").read_text() == str(step) and _sums_ok(d)
     assert {"__0_0.distcp", "__1_0.distcp"} <= {x.name for x in d.iterdir()}  # both ranks saved

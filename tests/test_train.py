@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from recpipe.train.config import UsageError, register, validate
-from recpipe.train.trainer import train
+from recpipe.train.trainer import _Progress, train
 
 ROOT = Path(__file__).resolve().parents[1]
 register()
@@ -57,17 +59,57 @@ def test_trains_in_process_and_loss_falls(gloo, tmp_path: Path) -> None:
     assert (tmp_path / "checkpoint" / "latest").read_text() == "60"
 
 
-def test_resume_reaches_the_same_losses(gloo, tmp_path: Path) -> None:
+def _rows(rows: Iterable[dict]) -> list[dict]:
+    """Metrics rows without their timing (``samples_per_s``)."""
+    return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows]
+
+
+def test_resume_off_a_log_step_logs_the_rows_of_an_uninterrupted_run(
+    gloo, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopped at step 25 (rows every 10 steps) and resumed: the same rows, bit for bit (the
+    checkpoint keeps steps 21-25 for the row at 30), and ``done:`` starts at the run's first."""
+    caplog.set_level(logging.INFO, logger="recpipe")
     common = ["trainer.steps=40", "trainer.log_interval=10", "pipeline=recpipe"]
     full = train(config(*common, f"trainer.checkpoint_dir={tmp_path / 'a'}"), gloo, str(tmp_path / "a"))
     ck = tmp_path / "b"
-    first = train(config(*common, "trainer.stop_after=20", f"trainer.checkpoint_dir={ck}"), gloo, str(ck))
-    assert [m["step"] for m in first] == [10, 20]
+    first = train(config(*common, "trainer.stop_after=25", f"trainer.checkpoint_dir={ck}"), gloo, str(ck))
+    assert [m["step"] for m in first] == [10, 20]  # none at 25, as in the uninterrupted run
+    caplog.clear()
     rest = train(config(*common, "trainer.resume=true", f"trainer.checkpoint_dir={ck}"), gloo, str(ck))
     assert [s for s, _, _ in losses(rest)] == [30, 40]
-    assert losses(first + rest) == losses(full)
+    assert _rows(first + rest) == _rows(full)
     history = [json.loads(x) for x in (ck / "metrics.jsonl").read_text().splitlines()]
     assert history == first + rest  # the resumed run's file continues the first one's rows
+    (done,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done:")]
+    assert done.startswith(f"done: loss {full[0]['loss']:.4f} -> {losses(full)[-1][1]:.4f}, ")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Off a terminal (a log file, CI, SLURM): a line at the first metrics row, then one per
+    PROGRESS_SECONDS at most; on a terminal: tqdm's bar and no lines."""
+    caplog.set_level(logging.INFO, logger="recpipe")
+    row = {"step": 10, "loss": 0.5, "auc": 0.75, "samples_per_s": 640.0, "last_loss": 0.5}
+    progress = _Progress(0, 100, 0, "recpipe")
+    progress.row(row, steps_per_s=10.0)
+    progress.row({**row, "step": 20}, steps_per_s=10.0)  # within PROGRESS_SECONDS: no line
+    progress.close()
+    assert caplog.messages == ["step 10/100: loss 0.5000, auc 0.750, 640 samples/s, eta 0:00:09"]
+    assert _Progress(1, 100, 0, "recpipe").lines is False  # other ranks: nothing
+    caplog.clear()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    progress = _Progress(0, 100, 0, "recpipe")
+    progress.step()
+    progress.row(row, steps_per_s=10.0)
+    progress.close()
+    assert caplog.messages == [] and "1/100" in sys.stderr.getvalue()
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:

@@ -8,13 +8,17 @@ Layout of ``trainer.checkpoint_dir``::
         meta.json      step, world size and ranks per node, the config identity
                        (:func:`identity`) and its hash
         metrics.jsonl  the run's metrics rows up to step N (a resumed run continues them)
+        window.pt      the steps since the last metrics row (rank 0's losses, every rank's
+                       logits and labels), so that a resumed run logs the rows of an
+                       uninterrupted one (absent in checkpoints of earlier versions)
         sha256sums     sha256 of every other file here (``sha256sum -c sha256sums`` checks it)
 
 A save is complete when ``sha256sums`` exists: it is written after the DCP save returned on every
 rank (``.metadata`` present), and ``latest`` moves only after it. So ``latest`` never names a
 partial checkpoint, whatever is killed when. Resume (:meth:`CheckpointDir.open`) refuses, with a
 :class:`CheckpointError` naming the problem and the fix, a missing/empty/garbage ``latest``, an
-incomplete or corrupt checkpoint, another config, ``steps`` not beyond the checkpoint, and (at
+incomplete or corrupt checkpoint, another config (the keys that shape the run,
+:func:`identity`; changing any other key resumes), ``steps`` not beyond the checkpoint, and (at
 load) a model or world size DCP cannot reshard to. Another node count of the same world size
 (say 2 nodes x 2 ranks saved, 1 node x 4 resuming) changes only the plan: DCP reshards it. A
 fresh run refuses a directory that already holds checkpoints unless ``trainer.overwrite=true``.
@@ -50,11 +54,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from recpipe.train.config import TrainConfig, UsageError
+from recpipe.train.data import source_keys
 from recpipe.pipeline.topology import NodeLayout, node_layout
 
 log = logging.getLogger(__name__)
 
 LATEST, LOCK, META, SUMS, HISTORY = "latest", ".lock", "meta.json", "sha256sums", "metrics.jsonl"
+WINDOW = "window.pt"
 #: tests only: the save of this step sleeps after the DCP save, before sha256sums and ``latest``
 PAUSE_ENV = "RECPIPE_TEST_PAUSE_BEFORE_LATEST"
 
@@ -66,10 +72,13 @@ class CheckpointError(UsageError):
 
 
 def identity(cfg: TrainConfig) -> dict[str, Any]:
-    """The config keys a resumed run must share with its checkpoint: the model's and data's shape
-    and the training math (not steps, intervals, output paths, pipeline or hardware)."""
-    out = {f"model.{k}": v for k, v in asdict(cfg.model).items()}
-    out.update({f"data.{k}": v for k, v in asdict(cfg.data).items()})
+    """The config keys a resumed run must share with its checkpoint: the model and data keys
+    that ``data.schema``'s source reads (:func:`~.data.source_keys`: a key the source ignores,
+    say ``model.num_tables`` with MovieLens, may change) and the training math; not steps,
+    intervals, output paths, pipeline or hardware."""
+    values = {f"{group}.{k}": v for group in ("model", "data")
+              for k, v in asdict(getattr(cfg, group)).items()}
+    out = {key: values[key] for key in source_keys(cfg.data.schema)}
     out.update({f"trainer.{k}": getattr(cfg.trainer, k) for k in ("lr", "optimizer", "seed")})
     return out
 
@@ -85,13 +94,18 @@ class Checkpoint:
     path: str
     step: int
     layout: NodeLayout  # the world size and ranks per node that saved it
-    config_hash: str
-    config: dict[str, Any]
+    config: dict[str, Any]  # its identity (meta.json also records its hash, for people)
 
     def history(self) -> list[dict]:
         """The run's metrics rows up to this checkpoint's step."""
         with open(os.path.join(self.path, HISTORY)) as f:
             return [json.loads(line) for line in f if line.strip()]
+
+    def window(self) -> dict[str, torch.Tensor] | None:
+        """The metrics window at this step (what :meth:`CheckpointDir.save` got); None in a
+        checkpoint of an earlier version, which kept none."""
+        path = os.path.join(self.path, WINDOW)
+        return torch.load(path, weights_only=True) if os.path.exists(path) else None
 
 
 class CheckpointDir:
@@ -212,16 +226,16 @@ class CheckpointDir:
             with open(os.path.join(d, META)) as f:
                 meta = json.load(f)
             layout = NodeLayout(meta["world_size"], meta.get("local_world_size", meta["world_size"]))
-            ckpt = Checkpoint(d, meta["step"], layout, meta["config_hash"], meta["config"])
+            ckpt = Checkpoint(d, meta["step"], layout, meta["config"])
         except (ValueError, KeyError, TypeError) as e:  # sha256sums rewritten to match (LayoutError too)
             raise CheckpointError(f"{d}/{META} is unreadable ({e!r}): {self._fix(step)}") from None
-        if ckpt.config_hash != config_hash(self._ident):
-            diffs = [f"{k}={ckpt.config.get(k)!r} there, {v!r} here"
-                     for k, v in self._ident.items() if ckpt.config.get(k) != v]
+        # the keys this run's identity has (a checkpoint of an earlier version records more)
+        diffs = [f"{k}={ckpt.config.get(k)!r} there, {v!r} here"
+                 for k, v in self._ident.items() if ckpt.config.get(k) != v]
+        if diffs:
             raise CheckpointError(
-                f"{d} is of another configuration ({'; '.join(diffs[:3]) or 'keys differ'}): "
-                "resume with the checkpoint's values, or train afresh in another "
-                "trainer.checkpoint_dir")
+                f"{d} is of another configuration ({'; '.join(diffs[:3])}): resume with the "
+                "checkpoint's values, or train afresh in another trainer.checkpoint_dir")
         return ckpt
 
     def _remove_all(self, steps: list[int]) -> None:
@@ -234,10 +248,11 @@ class CheckpointDir:
         log.info("overwrite: deleted the checkpoints in %s", self.path)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             history: list[dict]) -> None:
+             history: list[dict], window: dict[str, torch.Tensor] | None) -> None:
         """All ranks: save step ``step`` (model, dense and fused optimizer state); rank 0 then
-        writes ``meta.json``, ``history`` (this run's rows up to ``step``), ``sha256sums`` and,
-        last, ``latest``; older checkpoints beyond ``keep_checkpoints`` go."""
+        writes ``meta.json``, ``history`` (this run's rows up to ``step``), ``window`` (the
+        steps since the last row, rank 0's; ignored on other ranks), ``sha256sums`` and, last,
+        ``latest``; older checkpoints beyond ``keep_checkpoints`` go."""
         d = self.step_dir(step)
         if self.rank == 0 and os.path.exists(d):  # a save an earlier, killed run left unfinished
             _remove_step(d)
@@ -247,10 +262,11 @@ class CheckpointDir:
         if self.rank == 0:
             if os.environ.get(PAUSE_ENV) == str(step):
                 time.sleep(3600)
-            self._seal(d, step, history)
+            self._seal(d, step, history, window)
         dist.barrier()
 
-    def _seal(self, d: str, step: int, history: list[dict]) -> None:
+    def _seal(self, d: str, step: int, history: list[dict],
+              window: dict[str, torch.Tensor] | None) -> None:
         if not os.path.exists(os.path.join(d, ".metadata")):
             raise RuntimeError(f"{d}: DCP returned without writing .metadata")
         meta = {"step": step, "world_size": self.world,
@@ -258,6 +274,7 @@ class CheckpointDir:
                 "config_hash": config_hash(self._ident), "config": self._ident}
         _write(os.path.join(d, META), json.dumps(meta, indent=1) + "\n")
         _write(os.path.join(d, HISTORY), "".join(json.dumps(r) + "\n" for r in history))
+        torch.save(window, os.path.join(d, WINDOW))  # sealed by sha256sums, like the rest
         sums = "".join(f"{_sha256(os.path.join(d, n))}  {n}\n" for n in sorted(os.listdir(d)))
         _write(os.path.join(d, SUMS), sums)
         _write(os.path.join(self.path, LATEST), str(step))

@@ -3,7 +3,8 @@
 Unknown keys and wrongly typed values fail when Hydra composes the config (OmegaConf names the
 key); :func:`validate` checks values (``steps > 0``...) and what this machine can run (CUDA,
 row-wise sharding) before torchrec is called, raising :class:`UsageError` with one line that
-names the key and what to do.
+names the key and what to do. This module imports neither torch nor torchrec, and a bad value
+fails before :func:`validate` imports them: a config error takes about 1 s, torch alone 3.
 """
 
 from __future__ import annotations
@@ -198,25 +199,21 @@ def _validate_resume(t: TrainerConfig) -> None:
 
 
 def _validate_hardware(cfg: TrainConfig) -> None:
-    """Options this machine (or torchrec 1.8) cannot run, before torchrec is called."""
-    import torch  # here, not at import: the Hydra schema alone needs no torch
-
+    """Options this machine (or torchrec 1.8) cannot run, before torchrec is called. Imports
+    torch for ``hardware=cuda`` only, and checks the node layout last: its module loads
+    torchrec (3 s), which only a config valid so far waits for."""
     if cfg.pipeline.dense_allreduce == "symm_mem" and cfg.hardware.device != "cuda":
         raise UsageError("pipeline.dense_allreduce=symm_mem needs hardware=cuda")
     if cfg.hardware.device == "cuda" and cfg.hardware.backend != "nccl":
         raise UsageError("hardware.backend must be nccl with hardware.device=cuda")
     if cfg.hardware.device == "cuda":
+        import torch
+
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if gpus < local:
             raise UsageError(f"hardware=cuda: {local} rank(s) on this host but {gpus} CUDA GPU(s) "
                              "visible: use hardware=cpu, or one rank per GPU")
-    from recpipe.pipeline.topology import LayoutError, node_layout
-
-    try:  # torchrun's environment: nodes of equal size
-        node_layout(int(os.environ.get("WORLD_SIZE", "1")))
-    except LayoutError as e:
-        raise UsageError(str(e)) from None
     row_wise = sorted({t for t in cfg.sharding.types if "row_wise" in t})
     if row_wise and cfg.hardware.device == "cpu":
         raise UsageError(f"sharding.types={row_wise[0]}: torchrec has no CPU kernel for row-wise "
@@ -227,6 +224,12 @@ def _validate_hardware(cfg: TrainConfig) -> None:
         raise UsageError("sharding.types=data_parallel: torchrec 1.8's sharded EmbeddingCollection "
                          "fails on data-parallel tables (model.sequence=true); set "
                          "model.sequence=false or give the tables another sharding type")
+    from recpipe.pipeline.topology import LayoutError, node_layout
+
+    try:  # torchrun's environment: nodes of equal size
+        node_layout(int(os.environ.get("WORLD_SIZE", "1")))
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
 
 
 def composition_error(config_dir: str, config_name: str, overrides: list[str]) -> str | None:

@@ -84,6 +84,27 @@ class SyntheticSource:
         return None
 
 
+#: the model and data keys each ``data.schema``'s source reads, the rest being unused with it:
+#: what a resumed run must share with its checkpoint (``checkpoint.identity``). Keep in step
+#: with the sources' ``from_config``.
+SOURCE_KEYS: dict[str, tuple[str, ...]] = {
+    "synthetic": ("model.num_tables", "model.rows", "model.dim", "model.weighted",
+                  "model.sequence", "model.over_arch", "data.batch_size", "data.pooling",
+                  "data.zipf", "data.dense_in"),
+    "criteo": ("model.rows", "model.dim", "model.over_arch", "data.batch_size", "data.pooling",
+               "data.zipf"),
+    "movielens": ("model.dim", "model.over_arch", "data.path", "data.batch_size",
+                  "data.eval_fraction", "data.max_history", "data.label_scope"),
+    "criteo_tsv": ("model.rows", "model.dim", "data.path", "data.batch_size", "data.eval_fraction"),
+}
+
+
+def source_keys(schema: str) -> tuple[str, ...]:
+    """The config keys that shape ``schema``'s batches and model: :data:`SOURCE_KEYS`, and
+    ``data.schema`` and ``data.seed`` (every source's)."""
+    return ("data.schema", "data.seed", *SOURCE_KEYS[schema])
+
+
 def make_source(cfg: TrainConfig) -> DataSource:
     """The data source of ``cfg.data.schema`` (validated by ``config.validate``). ``data.seed``
     orders every source's batches (``trainer.seed`` initializes the model). A data file that

@@ -1,12 +1,14 @@
 """The training job behind ``scripts/train.py``: one loop for 1 CPU process or N GPUs.
 
-Rank 0 alone logs (a progress bar with loss and samples/s, ``logging`` for the rest) and writes
-``metrics.jsonl`` and ``config.yaml``; checkpoints go through :mod:`.checkpoint` (DCP, every
-rank, one directory). Batch ``s`` of rank ``r`` is a function of (data seed, r, s) only
-(:mod:`.data`), so a run resumed at step k reaches the losses of an uninterrupted run, bit for
-bit. Evaluation (``trainer.eval_interval`` and at the end) runs the source's held-out batches
+Rank 0 alone logs (on a terminal a progress bar with loss and samples/s; elsewhere a progress
+line now and then, :class:`_Progress`; ``logging`` for the rest) and writes ``metrics.jsonl``
+and ``config.yaml``; checkpoints go through :mod:`.checkpoint` (DCP, every rank, one
+directory). Batch ``s`` of rank ``r`` is a function of (data seed, r, s) only (:mod:`.data`),
+and a checkpoint keeps the steps not yet in a metrics row (:class:`_Window`), so a run resumed
+at any step k logs the rows of an uninterrupted run, bit for bit (``samples_per_s`` aside).
+Evaluation (``trainer.eval_interval`` and at the end) runs the source's held-out batches
 through the model taken off the pipeline (``detach``/``attach``): the training losses are the
-same with and without it.
+same with and without it. The last step is saved before its evaluation.
 
 Every rank takes the same decisions at the same step: at world size > 1 one all-reduce of three
 flags per step on a gloo group (a SIGINT/SIGTERM on any rank, a checkpoint due on rank 0's clock,
@@ -15,10 +17,12 @@ a non-finite loss at a log step), so that all ranks stop, save or fail together.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -58,6 +62,17 @@ class NonFiniteError(UsageError):
     """The loss or the weights became NaN/inf; nothing of that state was checkpointed."""
 
 
+class RunFailed(Exception):
+    """An unexpected exception (this one's ``__cause__``) ended the run on this rank.
+    ``run_dir``: the run directory (None: the run failed before making it); ``checkpoint``: the
+    newest checkpoint this run saved or resumed from, as (step directory, checkpoint
+    directory), None if there is none."""
+
+    def __init__(self, run_dir: str | None, checkpoint: tuple[str, str] | None) -> None:
+        super().__init__(f"the run failed (run directory {run_dir})")
+        self.run_dir, self.checkpoint = run_dir, checkpoint
+
+
 def make_run_dir(cfg: TrainConfig) -> str:
     """Rank 0 makes ``<output_dir>/<timestamp>-<pipeline>[-i]`` and tells the other ranks."""
     path = [None]
@@ -83,24 +98,32 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
     checkpoint's rows, so it holds the whole history once). Returns the rows this run logged
     (rank 0; empty elsewhere). Raises, on every rank, :class:`~.config.UsageError` (a refused
     checkpoint directory, a non-finite loss) and :class:`TrainingInterrupted` after a
-    SIGINT/SIGTERM (the step finished and saved)."""
-    t = cfg.trainer
-    with ExitStack() as stack:
-        stack.enter_context(deterministic_kernels(t.deterministic))
-        signals = stack.enter_context(_stop_signals())
-        ckpt = None
-        if t.checkpoint_dir and (t.checkpoint or t.resume):
-            ckpt = stack.enter_context(CheckpointDir.open(t.checkpoint_dir, cfg))
-        trainer = _Trainer(cfg, device, signals, ckpt)
-        out = out_dir or make_run_dir(cfg)
-        if ckpt is None and t.checkpoint:
-            ckpt = stack.enter_context(CheckpointDir.open(os.path.join(out, "checkpoint"), cfg))
-        if dist.get_rank() == 0:
-            os.makedirs(out, exist_ok=True)
-            save_yaml(cfg, os.path.join(out, "config.yaml"))
-            log.info("run dir: %s  (world size %d: %s, %s)", out, dist.get_world_size(),
-                     trainer.layout, device)
-        return trainer.run(out, ckpt if t.checkpoint else None)
+    SIGINT/SIGTERM (the step finished and saved); on the rank where it happened,
+    :class:`RunFailed` from any other exception (at world size 1 the last step completed is
+    saved first, :meth:`_Trainer._saved_on_failure`)."""
+    out, trainer = None, None
+    try:
+        with ExitStack() as stack:
+            t = cfg.trainer
+            stack.enter_context(deterministic_kernels(t.deterministic))
+            signals = stack.enter_context(_stop_signals())
+            ckpt = None
+            if t.checkpoint_dir and (t.checkpoint or t.resume):
+                ckpt = stack.enter_context(CheckpointDir.open(t.checkpoint_dir, cfg))
+            trainer = _Trainer(cfg, device, signals, ckpt)
+            out = out_dir or make_run_dir(cfg)
+            if ckpt is None and t.checkpoint:
+                ckpt = stack.enter_context(CheckpointDir.open(os.path.join(out, "checkpoint"), cfg))
+            if dist.get_rank() == 0:
+                os.makedirs(out, exist_ok=True)
+                save_yaml(cfg, os.path.join(out, "config.yaml"))
+                log.info("run dir: %s  (world size %d: %s, %s)", out, dist.get_world_size(),
+                         trainer.layout, device)
+            return trainer.run(out, ckpt if t.checkpoint else None)
+    except (UsageError, TrainingInterrupted):
+        raise
+    except Exception as e:
+        raise RunFailed(out, trainer and trainer.resumable()) from e
 
 
 class _Signals:
@@ -131,6 +154,94 @@ def _stop_signals() -> Iterator[_Signals]:
             signal.signal(s, h)
 
 
+class _Window:
+    """The steps since the last metrics row, on one rank: its losses, logits and labels. A row
+    is rank 0's mean loss over the window and the AUC over every rank's predictions in it
+    (torchmetrics gathers them). A checkpoint keeps the window (:meth:`state`,
+    :meth:`restore`), so a run resumed inside one logs the row an uninterrupted run logs."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.labels: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.losses.append(loss.detach())
+        self.logits.append(logits.detach())
+        self.labels.append(labels.detach())
+
+    def auc(self) -> float:
+        """All ranks: the AUC over every rank's window (probabilities, so that torchmetrics,
+        which takes values in [0, 1] for probabilities, never mistakes logits for them)."""
+        auroc = BinaryAUROC().to(self.logits[-1].device)
+        auroc.update(torch.sigmoid(torch.cat(self.logits)), torch.cat(self.labels).long())
+        return auroc.compute().item()
+
+    def clear(self) -> None:
+        for values in (self.losses, self.logits, self.labels):
+            values.clear()
+
+    def state(self, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor] | None:
+        """All ranks (at world size > 1 one gather on ``group``): rank 0 gets the window as a
+        checkpoint keeps it, on the CPU: its own losses, every rank's logits and labels;
+        other ranks None."""
+        mine = (_cat(self.logits).cpu(), _cat(self.labels).cpu())
+        parts = [mine]
+        if group is not None:
+            parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(mine, parts, dst=0, group=group)
+        if parts is None:
+            return None
+        return {"losses": _cat([x.reshape(1) for x in self.losses]).cpu(),
+                "logits": _cat([p[0] for p in parts]), "labels": _cat([p[1] for p in parts])}
+
+    def restore(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Rank 0 of a resumed run: start with the checkpoint's window (:meth:`state`); the
+        other ranks start empty."""
+        self.losses = list(state["losses"].to(device).unbind())
+        self.logits = [state["logits"].to(device)]
+        self.labels = [state["labels"].to(device)]
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.empty(0)
+
+
+#: off a terminal: a progress line at the first metrics row, then at most one per this long
+PROGRESS_SECONDS = 30.0
+
+
+class _Progress:
+    """Rank 0's progress: on a terminal (stderr) a tqdm bar; elsewhere (a log file, CI, SLURM)
+    a log line ``step S/N: loss, auc, samples/s, eta`` at the first metrics row and then at the
+    first row each :data:`PROGRESS_SECONDS`. Other ranks show nothing."""
+
+    def __init__(self, rank: int, steps: int, start: int, name: str) -> None:
+        self.steps = steps
+        terminal = rank == 0 and sys.stderr.isatty()
+        self.bar = tqdm(total=steps, initial=start, desc=name, unit="step") if terminal else None
+        self.lines = rank == 0 and not terminal
+        self.last_line = -float("inf")
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def row(self, row: dict, steps_per_s: float) -> None:
+        """A metrics row was logged (``steps_per_s``: the training rate over its window)."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
+        elif self.lines and time.monotonic() - self.last_line >= PROGRESS_SECONDS:
+            self.last_line = time.monotonic()
+            eta = datetime.timedelta(seconds=round((self.steps - row["step"]) / steps_per_s))
+            log.info("step %d/%d: loss %.4f, auc %.3f, %.0f samples/s, eta %s", row["step"],
+                     self.steps, row["loss"], row["auc"], row["samples_per_s"], eta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class _Trainer:
     """One run: the model, its pipeline, metrics and checkpoints (see :func:`train`)."""
 
@@ -159,13 +270,26 @@ class _Trainer:
             log.info("dense all-reduce %s, buckets (bytes, algorithm): %s", allreduce,
                      data_parallel.plan())
         resume = ckpt.resume if ckpt else None
-        self.start = self.saved = resume.step if resume else 0
+        #: where checkpoints go (:meth:`run` sets the run's), and the newest step there
+        self.ckpt, self.start = ckpt, resume.step if resume else 0
+        self.saved = self.start
         if resume:
             ckpt.load(self.model, self.optimizer)
             log.info("resumed from %s", resume.path)
         #: rank 0: every metrics row of the run so far (a resumed run: the checkpoint's first)
         self.history = resume.history() if resume and self.rank == 0 else []
+        self.window = _Window()
+        window = resume.window() if resume and self.rank == 0 else None
+        if window is not None:  # None: a checkpoint saved before windows were kept
+            self.window.restore(window, device)
         self.control = dist.new_group(backend="gloo") if self.world > 1 else None
+
+    def resumable(self) -> tuple[str, str] | None:
+        """(step directory, checkpoint directory) of the newest checkpoint this run saved or
+        resumed from; None if there is none."""
+        if self.ckpt is None or not self.saved:
+            return None
+        return self.ckpt.step_dir(self.saved), self.ckpt.path
 
     def run(self, out: str, ckpt: CheckpointDir | None) -> list[dict]:
         """Train, logging into ``out/metrics.jsonl`` and checkpointing into ``ckpt``."""
@@ -178,34 +302,17 @@ class _Trainer:
         stop = min(t.steps, t.stop_after or t.steps)
         pipeline = PIPELINES[self.cfg.pipeline.name](self.model, self.optimizer, self.device)
         it = self.source.train_batches(self.rank, self.world, self.start, stop)
-        auroc = BinaryAUROC().to(self.device)
-        rows, losses, final_eval = [], [], None
-        bar = tqdm(total=t.steps, initial=self.start, disable=None if self.rank == 0 else True,
-                   desc=self.cfg.pipeline.name, unit="step")  # None: off when not a terminal
+        rows, final_eval = [], None
+        progress = _Progress(self.rank, t.steps, self.start, self.cfg.pipeline.name)
         self._clock = (time.perf_counter(), self.start)
         try:
             for step in range(self.start + 1, stop + 1):  # step: steps done after this one
-                loss, logits, labels = pipeline.progress(it)
-                auroc.update(logits, labels.long())
-                losses.append(loss)
-                bar.update(1)
-                bad = None
-                if step % t.log_interval == 0 or step == stop:
-                    bad = self._log(step, losses, auroc, rows, bar)
-                interrupted, due = self._decide(step, bad)
-                evaluate = t.eval and (step == t.steps or (t.eval_interval and step % t.eval_interval == 0))
-                if evaluate:
-                    final_eval = self._evaluate(step, pipeline, rows)
-                if self.ckpt and (due or interrupted or step == stop):
-                    self._save(step, losses)
-                if evaluate or due:
-                    self._clock = (time.perf_counter(), step)  # samples/s: training time only
-                if interrupted and step < stop:
-                    raise TrainingInterrupted(
-                        interrupted, step, self.ckpt and self.ckpt.step_dir(step),
-                        self.ckpt and self.ckpt.path)
+                self.window.add(*pipeline.progress(it))
+                progress.step()
+                with self._saved_on_failure(step):
+                    final_eval = self._after_step(step, stop, pipeline, rows, progress) or final_eval
         finally:
-            bar.close()
+            progress.close()
         if stop < t.steps and self.rank == 0:  # trainer.stop_after: say where and how to go on
             where = (f"checkpoint {self.ckpt.step_dir(stop)}; resume with the same command and "
                      f"trainer.resume=true trainer.checkpoint_dir={self.ckpt.path}"
@@ -213,27 +320,76 @@ class _Trainer:
             log.info("stopped after step %d of %d (trainer.stop_after): %s", stop, t.steps, where)
         if final_eval and final_eval["step"] == t.steps:
             self._log_eval(final_eval)
+        self._log_done()
         return rows
 
-    def _log(self, step: int, losses: list[torch.Tensor], auroc: BinaryAUROC, rows: list[dict],
-             bar: tqdm) -> torch.Tensor | None:
-        """Log the interval ending at ``step`` (one host sync) and start the next; returns this
-        rank's interval losses if one of them is not finite, else None."""
-        stacked = torch.stack(losses)
+    def _after_step(self, step: int, stop: int, pipeline: TorchrecPipeline, rows: list[dict],
+                    progress: _Progress) -> dict | None:
+        """All ranks, once ``step`` is trained: its metrics row (every ``log_interval`` steps
+        and at the last), the decisions, the checkpoint and the evaluation due. The last step
+        is saved before its evaluation, so that a failing one loses no training; any other
+        after it, so that the checkpoint's history holds the evaluation's row. Returns that
+        row (None: no evaluation); raises :class:`TrainingInterrupted` after saving on a
+        signal."""
+        t = self.cfg.trainer
+        bad = None
+        if step % t.log_interval == 0 or step == t.steps:  # not at stop_after: as uninterrupted
+            bad = self._log(step, rows, progress)
+        interrupted, due = self._decide(step, bad)
+        save = self.ckpt is not None and (due or interrupted or step == stop)
+        last = step == t.steps
+        if save and last:
+            self._save(step)
+        row = None
+        if t.eval and (last or (t.eval_interval and step % t.eval_interval == 0)):
+            row = self._evaluate(step, pipeline, rows)
+        if save and not last:
+            self._save(step)
+        if row or due:
+            self._clock = (time.perf_counter(), step)  # samples/s: training time only
+        if interrupted and step < stop:
+            raise TrainingInterrupted(interrupted, step, self.ckpt and self.ckpt.step_dir(step),
+                                      self.ckpt and self.ckpt.path)
+        return row
+
+    @contextmanager
+    def _saved_on_failure(self, step: int) -> Iterator[None]:
+        """The block runs after ``step`` was trained (logging, deciding, saving, evaluating). At
+        world size 1 an unexpected exception in it first saves ``step`` (a failed save is
+        tried once more), so the run resumes from there. At world size > 1 it saves nothing:
+        one rank cannot know that the others will join the save's collectives; the last
+        checkpoint saved stays. Errors the user can fix, a non-finite loss among them, and
+        interruptions pass as they are."""
+        try:
+            yield
+        except (UsageError, TrainingInterrupted):
+            raise
+        except Exception:
+            if self.ckpt is not None and self.world == 1 and step != self.saved:
+                try:  # RunFailed names the checkpoint
+                    self._save(step)
+                except Exception as e:  # the original exception matters more: it goes on
+                    log.warning("could not save step %d after the failure: %s", step, e)
+            raise
+
+    def _log(self, step: int, rows: list[dict], progress: _Progress) -> torch.Tensor | None:
+        """Log the window ending at ``step`` (one host sync) and start the next; returns this
+        rank's window losses if one of them is not finite, else None."""
+        w = self.window
+        stacked = torch.stack(w.losses)
         t0, s0 = self._clock
-        row = {"step": step, "loss": stacked.mean().item(), "auc": auroc.compute().item(),
-               "samples_per_s": self.source.spec.batch_size * self.world * (step - s0)
-               / (time.perf_counter() - t0),
-               "last_loss": losses[-1].item()}
+        steps_per_s = (step - s0) / (time.perf_counter() - t0)
+        row = {"step": step, "loss": stacked.mean().item(), "auc": w.auc(),
+               "samples_per_s": self.source.spec.batch_size * self.world * steps_per_s,
+               "last_loss": w.losses[-1].item()}
+        w.clear()
         self._record(row, rows)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
-        auroc.reset()
-        losses.clear()
+        progress.row(row, steps_per_s)
         self._clock = (time.perf_counter(), step)
         return None if torch.isfinite(stacked).all() else stacked
 
     def _record(self, row: dict, rows: list[dict]) -> None:
-        """Rank 0: append ``row`` to metrics.jsonl, this run's rows and the history."""
+        """Rank 0: append ``row`` to this run's rows, the history and metrics.jsonl."""
         if self.rank != 0:
             return
         rows.append(row)
@@ -276,18 +432,20 @@ class _Trainer:
                               f"{self.cfg.trainer.lr:g}): training diverged, {kept}; lower "
                               "trainer.lr and train again")
 
-    def _save(self, step: int, pending: list[torch.Tensor]) -> None:
-        """All ranks: checkpoint ``step`` unless saved already, after checking that the losses
-        not yet logged and every weight are finite on every rank."""
+    def _save(self, step: int) -> None:
+        """All ranks: checkpoint ``step`` and the metrics window (:meth:`_Window.state`) unless
+        saved already, after checking that the window's losses and every weight are finite on
+        every rank."""
         if step == self.saved:
             return
-        finite = all(bool(torch.isfinite(x).all()) for x in [*pending, *_local_tensors(self.model)])
-        ok = torch.tensor([int(finite)])
+        tensors = [*self.window.losses, *_local_tensors(self.model)]
+        ok = torch.tensor([int(all(bool(torch.isfinite(x).all()) for x in tensors))])
         if self.control is not None:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.control)
         if not int(ok):
             raise self._diverged("the weights or the loss", step)
-        self.ckpt.save(step, self.model, self.optimizer, self.history)
+        window = self.window.state(self.control)
+        self.ckpt.save(step, self.model, self.optimizer, self.history, window)
         self.saved, self.last_save = step, time.monotonic()
 
     def _evaluate(self, step: int, pipeline: TorchrecPipeline, rows: list[dict]) -> dict:
@@ -324,6 +482,15 @@ class _Trainer:
         vs = (lambda k: f" (baseline {base[k]:.4f})") if base else (lambda k: "")
         log.info("eval auc %.4f%s, logloss %.4f%s", row["eval_auc"], vs("auc"),
                  row["eval_logloss"], vs("logloss"))
+
+    def _log_done(self) -> None:
+        """Rank 0: the run's first and last training rows (a resumed run's first is the
+        checkpoint history's)."""
+        train_rows = [r for r in self.history if "loss" in r]
+        if self.rank == 0 and train_rows:
+            first, last = train_rows[0], train_rows[-1]
+            log.info("done: loss %.4f -> %.4f, auc %.3f, %.0f samples/s", first["loss"],
+                     last["loss"], last["auc"], last["samples_per_s"])
 
 
 def _local_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:

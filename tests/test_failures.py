@@ -1,0 +1,143 @@
+"""When a run fails: a failing evaluation keeps the training (the last step is saved before its
+evaluation; at world size 1 any failure after a step saves that step), an unexpected exception
+is one ``error:`` line naming the log file with its traceback, a config error loads no torch,
+and under torchrun the report torchrun prints names our error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train import ROOT, SYNTHETIC, _rows, config, gloo, losses  # noqa: F401 (gloo: a fixture)
+
+from recpipe.train import trainer
+from recpipe.train.trainer import RunFailed, train
+
+SCRIPT = str(ROOT / "scripts/train.py")
+
+
+def test_a_failure_after_a_step_saves_that_step_and_the_resume_logs_the_same_rows(
+    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At world size 1: the evaluation at step 7 fails (off a log boundary: rows every 5 steps);
+    step 7 is saved with the steps since the last row, and the resumed run logs the training
+    rows of a run that never failed."""
+    evaluate = trainer._Trainer._evaluate
+
+    def failing(self, step, *args):
+        if step == 7:
+            raise RuntimeError("eval exploded")
+        return evaluate(self, step, *args)
+
+    monkeypatch.setattr(trainer._Trainer, "_evaluate", failing)
+    ck = tmp_path / "ck"
+    common = ("trainer.steps=12", "trainer.log_interval=5", f"trainer.checkpoint_dir={ck}")
+    with pytest.raises(RunFailed) as e:
+        train(config(*common, "trainer.eval_interval=7"), gloo, str(tmp_path / "a"))
+    assert str(e.value.__cause__) == "eval exploded"
+    assert e.value.run_dir == str(tmp_path / "a")
+    assert e.value.checkpoint == (str(ck / "step_7"), str(ck))
+    assert (ck / "latest").read_text() == "7"
+    monkeypatch.undo()
+    rest = train(config(*common, "trainer.resume=true"), gloo, str(tmp_path / "b"))
+    reference = train(config(*common[:2], "trainer.checkpoint=false"), gloo, str(tmp_path / "ref"))
+    assert [s for s, _, _ in losses(rest)] == [10, 12]
+    written = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert _rows(written) == _rows(reference)  # the failed evaluation's row aside: none
+
+
+# a subprocess of scripts/train.py whose trainer's evaluation fails
+
+FAILING_EVAL = (
+    "import runpy, sys\n"
+    "from recpipe.train import trainer\n"
+    "def failing(*args):\n"
+    "    raise RuntimeError('eval exploded')\n"
+    "trainer._Trainer._evaluate = failing\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def test_the_final_evaluation_failing_keeps_the_final_checkpoint_and_prints_one_line(
+    tmp_path: Path,
+) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", FAILING_EVAL, SCRIPT, *SYNTHETIC, "trainer.steps=20",
+         "trainer.log_interval=10", f"output_dir={tmp_path / 'out'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 1, r.stderr
+    (run,) = (tmp_path / "out").iterdir()
+    log = run / "error-rank0.log"
+    m = re.fullmatch(
+        re.escape(f"error: RuntimeError: eval exploded (the traceback is in {log}; RECPIPE_TRACEBACK=1 "
+                  f"prints it here); the last checkpoint is {run / 'checkpoint' / 'step_20'}, resume "
+                  "with: ") + r"(\S+) " + re.escape(
+                      f"{SCRIPT} {' '.join(SYNTHETIC)} trainer.steps=20 trainer.log_interval=10 "
+                      f"output_dir={tmp_path / 'out'} trainer.checkpoint_dir={run / 'checkpoint'} "
+                      "trainer.resume=true"),
+        r.stderr.splitlines()[-1])
+    assert m and os.path.samefile(m[1], sys.executable), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert "in _after_step\n" in log.read_text()
+    assert log.read_text().endswith("in failing\nRuntimeError: eval exploded\n")
+    assert (run / "checkpoint" / "latest").read_text() == "20"  # saved before the evaluation
+
+
+def _script() -> dict:
+    """scripts/train.py's functions (run as a module, not as __main__: nothing runs)."""
+    import runpy
+
+    return runpy.run_path(SCRIPT, run_name="train_script")
+
+
+def test_recpipe_traceback_prints_the_traceback_instead_of_writing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    unexpected = _script()["_unexpected"]
+    try:
+        raise ValueError("bad\nsecond line")
+    except ValueError as e:
+        error = e
+    monkeypatch.setenv("RECPIPE_TRACEBACK", "1")
+    assert unexpected(error, str(tmp_path), None) == "error: ValueError: bad (the traceback is above)"
+    assert 'raise ValueError("bad\\nsecond line")' in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+    monkeypatch.delenv("RECPIPE_TRACEBACK")
+    log = tmp_path / "out" / "error-rank0.log"
+    assert unexpected(error, str(tmp_path / "out"), None) == (
+        f"error: ValueError: bad (the traceback is in {log}; RECPIPE_TRACEBACK=1 prints it here)")
+    assert 'raise ValueError("bad\\nsecond line")' in log.read_text()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_config_error_loads_no_torch(tmp_path: Path) -> None:
+    """The one line comes before torch (3 s to import here) and torchrec are loaded."""
+    r = subprocess.run([sys.executable, "-X", "importtime", SCRIPT, "trainer.steps=0"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    imported = re.findall(r"^import time:.*\| +(\S+)$", r.stderr, re.M)
+    assert r.returncode == 1 and "error: trainer.steps=0: must be > 0" in r.stderr.splitlines()
+    assert "hydra" in imported  # the check can fail
+    assert [m for m in imported if m.split(".")[0] in ("torch", "torchrec", "fbgemm_gpu")] == []
+
+
+def test_torchrun_reports_our_error_as_the_root_cause(tmp_path: Path) -> None:
+    """torchrun always adds its failure report (exit 1): our line is in it, not a link to its
+    docs; no traceback goes through our code."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         SCRIPT, "trainer.steps=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    output = r.stdout + r.stderr
+    assert r.returncode == 1, output
+    assert "  traceback : error: trainer.steps=0: must be > 0" in output.splitlines(), output
+    assert "To enable traceback" not in output
+    assert f'File "{ROOT / "scripts"}' not in output and f'File "{ROOT / "train"}' not in output
