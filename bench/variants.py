@@ -5,7 +5,7 @@ Anchors: ``torchrec`` (``TrainPipelineSparseDist``, the time anchor), ``torchrec
 (``TrainPipelineBase``: no overlap, the memory floor), ``torchrec_lite``
 (``TrainPipelineSparseDistLite``: one batch in flight, the input dist on main), and torchrec with
 its own memory options (``torchrec_early_free``, ``torchrec_clear_inputs``, ``torchrec_inplace``,
-``torchrec_free_clear``, ``torchrec_lean``: all of them).
+``torchrec_free_clear``, ``torchrec_lean``: all of them; ``torchrec_async``: 1.9's copy worker).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _variant(name: str, **switches: object) -> type[RecpipePipeline]:
 
 def _with_options(cls: Callable, **options: object) -> Callable:
     """``cls`` with torchrec's pipeline options set, where the installed torchrec has them
-    (``free_features_storage_early``, ``clear_data_dist_inputs``: >= 1.7)."""
+    (``free_features_storage_early``, ``clear_data_dist_inputs``: >= 1.7; ``async_inplace_copy``: 1.9)."""
     params = inspect.signature(TorchrecPipeline).parameters
     missing = [k for k in options if k not in params]
 
@@ -43,6 +43,7 @@ def _with_options(cls: Callable, **options: object) -> Callable:
 
 
 _EARLY_FREE = dict(free_features_storage_early=True)
+_ASYNC = dict(enable_inplace_copy_batch=True, async_inplace_copy=True)  # torchrec >= 1.9
 _LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
              clear_data_dist_inputs=True)
 # world size 1: the whole P1 into a depth-3 ring (depth 2: the host waits for main)
@@ -58,6 +59,7 @@ PIPELINES: dict[str, Callable] = {
     "torchrec_clear_inputs": _with_options(TorchrecPipeline, clear_data_dist_inputs=True),
     "torchrec_free_clear": _with_options(TorchrecPipeline, **_EARLY_FREE, clear_data_dist_inputs=True),
     "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),
+    "torchrec_async": _with_options(TorchrecPipeline, **_ASYNC),
     "recpipe": RecpipePipeline,
     "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
     "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
@@ -65,6 +67,7 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_a2a_main_lean": _with_options(_A2A_MAIN, **_LEAN),
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
     "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
+    "recpipe_async": _with_options(RecpipePipeline, **_ASYNC),  # + torchrec's copy worker
     "recpipe_ring3": _RING3,
     "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2),
     "recpipe_ring": _variant("RecpipeRing", ring_feature_permute=True),  # P1 ring on every rank
