@@ -1,0 +1,263 @@
+"""The training command line: train the DLRM-style model with torchrec's or recpipe's pipeline
+(Hydra config). ``recpipe-train`` (the console script), ``python -m recpipe.train`` and, in a
+source checkout, ``python scripts/train.py`` run :func:`main`:
+
+    recpipe-train                                              # 1 CPU process (gloo), ~15 s
+    recpipe-train pipeline=torchrec trainer.steps=100
+    recpipe-train trainer.resume=true trainer.checkpoint_dir=DIR    # continue a run
+    torchrun --nproc-per-node=2 -m recpipe.train hardware=cuda
+    recpipe-train -m pipeline=torchrec,recpipe                 # a sweep (Hydra multirun)
+
+Configs: the ``recpipe`` package's ``configs/`` (:data:`CONFIGS`: the checkout's top-level
+``configs/``, package data in a wheel), groups model, data, sharding, pipeline, hardware,
+trainer; the schema and value checks: recpipe.train.config. Output (rank 0):
+<output_dir>/<time>-<pipeline>/ with config.yaml, metrics.jsonl and checkpoint/ (unless
+trainer.checkpoint_dir is given).
+
+Exit status and what is printed (rank 0, on stderr):
+
+- 1, one line ``error: ...``: a usage problem (a key or value Hydra cannot compose, a bad value,
+  an option this machine cannot run, a checkpoint directory that cannot be used as asked, a
+  diverged loss); a config error fails before torch is imported (in about 1 s).
+- 1, one line ``error: ...`` naming a log file with the traceback: any other exception
+  (``<run dir>/error-rank<R>.log``, or ``<output_dir>/`` before the run directory exists) and
+  the checkpoint to resume from. ``RECPIPE_TRACEBACK=1`` prints the traceback here instead.
+- 130/143: SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line
+  naming it and the command that resumes it.
+
+The resume command repeats how this run was started (:func:`_program`): ``python -m
+recpipe.train``, the ``recpipe-train`` script, or ``python scripts/train.py``, with this
+environment's interpreter (under torchrun: ``python -m torch.distributed.run``).
+
+Under torchrun each rank exits with these statuses and writes its line into torchrun's error
+file (``TORCHELASTIC_ERROR_FILE``), which torchrun's failure report shows as the root cause.
+torchrun itself exits 1 whenever a rank fails or it gets a signal, and prints its own report
+(ChildFailedError, or for a signal sent to torchrun its SignalException traceback) after our
+line; a worker cannot change either.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+import traceback
+import warnings
+from typing import TYPE_CHECKING, NoReturn
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from recpipe.train.config import UsageError, composition_error, register, validate
+
+if TYPE_CHECKING:  # torch loads in 3 s: imported once the config is valid
+    import torch
+
+register()
+log = logging.getLogger("recpipe")
+
+#: set to 1: an unexpected exception's traceback on stderr, not in a file
+TRACEBACK_ENV = "RECPIPE_TRACEBACK"
+
+#: FutureWarnings about torchrec 1.8's internals (its planner's defaults, its DDP arguments, the
+#: ShardedTensors DCP loads), printed on every run: (module, message)
+KNOWN_WARNINGS = (
+    (r"torchrec\.distributed\.planner\.planners", "HeuristicalStorageReservation is known"),
+    (r"torchrec\.distributed\.model_parallel", "`broadcast_buffers` is deprecated"),
+    (r"torch\.distributed\.checkpoint\.", "Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+
+def _console(rank: int) -> None:
+    """recpipe's messages on stderr, bare, from rank 0 only; torchrec's known warnings off.
+    Once per job: Hydra's job_logging=disabled turns off every logger that exists when a job
+    starts (a multirun's second job finds recpipe's)."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and (name + ".").startswith("recpipe."):
+            logger.disabled = False
+    log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+    for module, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+
+
+def _quiet_torch() -> None:
+    """Once torch is loaded: its log warnings off, errors on (torchrec 1.8 calls a deprecated
+    torch.fx function), as when torch loaded before Hydra disabled every existing logger.
+    ``TORCH_LOGS``, if set, decides instead."""
+    if "TORCH_LOGS" not in os.environ:
+        logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+#: launched by torchrun (else one process; read before the first job sets RANK for itself)
+TORCHRUN = "RANK" in os.environ
+
+
+def _rank() -> int:
+    """This process's rank: torchrun's ``RANK``, or 0 (one process)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _init_distributed(backend: str) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
+    if not TORCHRUN:  # plain `recpipe-train`: one process, a free port
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        init = {"store": store, "rank": 0, "world_size": 1}
+    else:  # torchrun: its rendezvous
+        init = {}
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, **init)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+#: the console script (pyproject.toml's [project.scripts]): run as itself, not by ``python``
+CONSOLE_SCRIPT = "recpipe-train"
+
+
+def _program() -> list[str]:
+    """What starts this program again after the interpreter (or torchrun's options): ``-m
+    recpipe.train`` when ``python -m`` started it (``__main__`` has a module spec), else the
+    script that did (``sys.argv[0]``: ``scripts/train.py``, the ``recpipe-train`` script)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return ["-m", spec.name.removesuffix(".__main__")]
+    return [sys.argv[0]]
+
+
+def _resume_command(checkpoint_dir: str) -> str:
+    """This run's command line, continuing from ``checkpoint_dir``."""
+    skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite")
+    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") not in skip]
+    world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", "1")
+    python = shlex.quote(sys.executable)  # this environment's interpreter, not a bare `python`
+    program = _program()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        console = program[0] != "-m" and os.path.basename(program[0]) == CONSOLE_SCRIPT
+        launcher = "" if console else python  # the console script names its interpreter
+    elif world == local:  # one node: --standalone rendezvous again
+        launcher = f"{python} -m torch.distributed.run --standalone --nproc-per-node={local}"
+    else:
+        launcher = f"{python} -m torch.distributed.run [the same options]"
+    args = [*program, *overrides, f"trainer.checkpoint_dir={checkpoint_dir}", "trainer.resume=true"]
+    return f"{launcher} {shlex.join(args)}".lstrip()
+
+
+def _end(status: int, line: str) -> NoReturn:
+    """End this rank with exit status ``status``: rank 0 prints ``line`` on stderr; under
+    torchrun every rank writes it into its error file, whose message torchrun's failure report
+    shows (instead of a link to torchrun's docs)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:  # the format torchrun's own @record writes: its report shows py_callstack
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    if _rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def _unexpected(exc: BaseException, directory: str, checkpoint: tuple[str, str] | None) -> str:
+    """The ``error:`` line for an exception that is no usage error: its type and message's
+    first line, where its traceback went (:func:`_keep_traceback`) and, with ``checkpoint``
+    (step directory, checkpoint directory), how to resume."""
+    what = (str(exc).strip().splitlines() or [""])[0][:300]
+    where = _keep_traceback("".join(traceback.format_exception(exc)), directory)
+    resume = (f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1])}"
+              if checkpoint else "")
+    return f"error: {type(exc).__name__}{': ' * bool(what)}{what} ({where}){resume}"
+
+
+def _keep_traceback(text: str, directory: str) -> str:
+    """Write ``text`` (a traceback) into ``directory/error-rank<R>.log``, or on stderr with
+    ``RECPIPE_TRACEBACK=1`` or where that file cannot be written; returns where, in words."""
+    failed = ""
+    if os.environ.get(TRACEBACK_ENV, "0") in ("", "0"):
+        path = os.path.join(directory, f"error-rank{_rank()}.log")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+            return f"the traceback is in {path}; {TRACEBACK_ENV}=1 prints it here"
+        except OSError as e:
+            failed = f"; {path}: {e.strerror}"
+    print(text, end="", file=sys.stderr, flush=True)
+    return f"the traceback is above{failed}"
+
+
+def _run(dcfg: DictConfig) -> None:
+    """Validate, start the process group, train; ends the process on an interruption or an
+    unexpected exception in training."""
+    cfg = OmegaConf.to_object(dcfg)
+    validate(cfg)
+    device = _init_distributed(cfg.hardware.backend)
+    # imported once the config is valid: the trainer loads torchrec
+    import torch.distributed as dist
+
+    from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
+
+    _quiet_torch()
+    try:
+        train(cfg, device)
+    except TrainingInterrupted as e:
+        where = (f"checkpoint {e.checkpoint}; resume with: {_resume_command(e.checkpoint_dir)}"
+                 if e.checkpoint else "no checkpoint (trainer.checkpoint=false)")
+        _end(128 + e.signum,
+             f"interrupted ({signal.Signals(e.signum).name}) after step {e.step}: {where}")
+    except RunFailed as e:
+        _end(1, _unexpected(e.__cause__, e.run_dir or cfg.output_dir, e.checkpoint))
+    finally:
+        dist.destroy_process_group()
+
+
+#: the configs, for Hydra and :func:`composition_error`: ``configs/`` in the ``recpipe`` package's
+#: folder, i.e. the checkout's top-level ``configs/`` (editable install, or scripts/gpu_env.sh's
+#: folder of symlinks) or the wheel's package data. An absolute path: Hydra would read a relative
+#: one ("../configs") as ``pkg://recpipe/configs``, which it loads only from an importable
+#: package (an ``__init__.py`` in configs/).
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@hydra.main(config_path=CONFIGS, config_name="train", version_base=None)
+def _hydra_main(dcfg: DictConfig) -> None:
+    _console(_rank())
+    try:
+        _run(dcfg)
+    except UsageError as e:
+        _end(1, f"error: {e}")
+    except KeyboardInterrupt:
+        _end(130, "interrupted before training started: nothing saved")
+    except Exception as e:  # outside training (the process group...): as RunFailed
+        _end(1, _unexpected(e, dcfg.output_dir, None))
+
+
+def _check_overrides(args: list[str]) -> None:
+    """Exit with one line if Hydra cannot compose ``args`` (plain ``key=value`` overrides only:
+    sweeps and Hydra's own flags are left to Hydra)."""
+    if any(a.startswith("-") for a in args):
+        return
+    error = composition_error(CONFIGS, "train", args)
+    if error:
+        _end(1, f"error: {error}")
+
+
+def main() -> None:
+    """The command line (``recpipe-train``, ``python -m recpipe.train``, ``scripts/train.py``):
+    overrides Hydra cannot compose fail with one line, then Hydra runs the job(s)."""
+    _check_overrides(sys.argv[1:])
+    _hydra_main()
