@@ -1,9 +1,11 @@
 """MovieLens-100k as a click-through task: label = rating >= 4, time-ordered train/eval split.
 
-The data is ``data/movielens100k.npz`` (made by ``scripts/prepare_movielens.py``; its
-docstring gives the layout). Events are sorted by timestamp (stable); the last
-``eval_fraction`` of them is the eval part. Each sample has, in one ``EmbeddingBagCollection``
-(module ``ebc``, features :data:`FEATURES`):
+The data is the file :data:`DEFAULT_PATH` (made by ``python -m recpipe.train.prepare_movielens``,
+or ``scripts/prepare_movielens.py`` in a checkout; its docstring gives the layout): in a source
+checkout ``data/movielens100k.npz``; installed from a wheel ``movielens100k.npz`` in
+``$RECPIPE_DATA_DIR`` if set, else in ``$XDG_CACHE_HOME/recpipe`` (``~/.cache/recpipe``).
+Events are sorted by timestamp (stable); the last ``eval_fraction`` of them is the eval part.
+Each sample has, in one ``EmbeddingBagCollection`` (module ``ebc``, features :data:`FEATURES`):
 
 - ``user``, ``item``, ``occupation``, ``age`` (7 buckets), ``zip`` (first two characters): one
   id each; ``genres``: the item's genres (multi-hot, mean-pooled);
@@ -27,8 +29,9 @@ The file is checked before use (:func:`read_arrays`): one that is missing, is no
 (empty, truncated, bytes changed: zip's CRC) or lacks an array raises :class:`DataFileError`,
 one line naming the file and the command that rebuilds it; the default file's arrays must also
 hash to the recorded :data:`ARRAYS_SHA256` (a ``data.path`` file of one's own has no recorded
-checksum). ``scripts/prepare_movielens.py`` imports this module for the same check and must stay
-fast: importing it loads neither torch nor torchrec (they load where a source first uses them).
+checksum). ``recpipe.train.prepare_movielens`` imports this module for the same check and must
+stay fast: importing it loads neither torch nor torchrec (they load where a source first uses
+them).
 """
 
 from __future__ import annotations
@@ -50,14 +53,37 @@ if TYPE_CHECKING:
     from recpipe.testing.synthetic import Batch
 
 
+#: the ``recpipe`` package's folder: in a source checkout (editable install, or scripts/gpu_env.sh's
+#: symlinks, resolved here) the checkout's root
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PATH = ROOT / "data" / "movielens100k.npz"
+#: a source checkout (its pyproject.toml beside the package's files), not an installed wheel
+CHECKOUT = all((ROOT / f).is_file() for f in ("pyproject.toml", "scripts/prepare_movielens.py"))
+#: where ``python -m recpipe.train.prepare_movielens`` writes the file from a wheel, if set
+DATA_DIR_ENV = "RECPIPE_DATA_DIR"
+FILE_NAME = "movielens100k.npz"
+
+
+def _default_path() -> Path:
+    """``<checkout>/data/movielens100k.npz`` in a checkout; from a wheel, in ``$RECPIPE_DATA_DIR``
+    if set, else in ``$XDG_CACHE_HOME/recpipe`` (``~/.cache/recpipe``)."""
+    if CHECKOUT:
+        return ROOT / "data" / FILE_NAME
+    directory = os.environ.get(DATA_DIR_ENV)
+    if not directory:
+        directory = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "recpipe")
+    return (Path(directory).expanduser() / FILE_NAME).resolve()
+
+
+#: the MovieLens file training reads unless ``data.path`` is set (:func:`_default_path`)
+DEFAULT_PATH = _default_path()
+#: the script that makes it, in a checkout (from a wheel: ``python -m`` :data:`PREPARE_MODULE`)
 PREPARE = ROOT / "scripts" / "prepare_movielens.py"
-#: the arrays of the file (scripts/prepare_movielens.py's docstring gives their layout)
+PREPARE_MODULE = "recpipe.train.prepare_movielens"
+#: the arrays of the file (recpipe.train.prepare_movielens's docstring gives their layout)
 ARRAYS = ("event_user", "event_item", "event_rating", "event_time", "item_genres", "item_year",
           "user_age", "user_gender", "user_occupation", "user_zip", "genre_names",
           "occupation_names")
-#: :func:`arrays_sha256` of MovieLens-100k as scripts/prepare_movielens.py converts it: the
+#: :func:`arrays_sha256` of MovieLens-100k as recpipe.train.prepare_movielens converts it: the
 #: recorded checksum of DEFAULT_PATH (of the arrays, not of the .npz's bytes, which also
 #: depend on numpy's and zlib's versions)
 ARRAYS_SHA256 = "4c6a6ee1d10242cbb377696ea12ffd3fb80338f14545eee84ba589c7f7c65ae2"
@@ -108,8 +134,9 @@ def eval_shares(n: int, rank: int, world: int, batch_size: int) -> list[np.ndarr
 
 class DataFileError(UsageError):
     """A MovieLens file that cannot be used. ``problem`` says why (:data:`MISSING`, ``"is
-    empty"``, ``"is corrupt (...)"``); the message is one line: the file, the problem, and the command that
-    (re)builds the file with this interpreter (``scripts/train.py`` prints it as ``error: ...``)."""
+    empty"``, ``"is corrupt (...)"``); the message is one line: the file, the problem, and the
+    command that (re)builds the file with this interpreter (the training command line prints it
+    as ``error: ...``)."""
 
     def __init__(self, path: Path, problem: str) -> None:
         self.path, self.problem = path, problem
@@ -125,9 +152,11 @@ def _shown(path: Path) -> str:
 
 def prepare_command(out: Path) -> str:
     """The command that writes the MovieLens file ``out`` with this interpreter, e.g.
-    ``.venv/bin/python scripts/prepare_movielens.py`` (``--out`` unless ``out`` is the default
+    ``.venv/bin/python scripts/prepare_movielens.py`` in a checkout, ``/venv/bin/python -m
+    recpipe.train.prepare_movielens`` from a wheel (``--out`` unless ``out`` is the default
     path)."""
-    command = f"{_shown(Path(sys.executable))} {_shown(PREPARE)}"
+    program = _shown(PREPARE) if CHECKOUT else f"-m {PREPARE_MODULE}"
+    command = f"{_shown(Path(sys.executable))} {program}"
     return command if out.resolve() == DEFAULT_PATH else f"{command} --out {_shown(out)}"
 
 
@@ -304,7 +333,7 @@ class MovieLensSource:
 
     @classmethod
     def from_config(cls, data: DataConfig, model: ModelConfig, seed: int) -> MovieLensSource:
-        """Load ``data.path`` (default ``data/movielens100k.npz``, checked against
+        """Load ``data.path`` (default :data:`DEFAULT_PATH`, checked against
         :data:`ARRAYS_SHA256`) with :func:`read_arrays`; ``seed`` orders the training part (the
         trainer passes ``data.seed``); every table has ``model.dim``."""
         path = Path(data.path) if data.path else DEFAULT_PATH
