@@ -9,5 +9,8 @@ bash scripts/setup_venv.sh
 .venv/bin/python -m pytest -q -n 2 --timeout 900 --durations=15 "$@"
 TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:randomly --timeout 900 tests/test_permute_triton.py
 bash scripts/setup_venv.sh 1.8
+# (on 1.8, the tests where torchrec's versions differ: one 2-rank plan, no 4 ranks, no host-cost
+# count; the main suite runs them all)
 .venv-1.8/bin/python -m pytest -q -n 2 --timeout 900 -p no:cacheprovider \
-  tests/test_dropin.py tests/test_interception.py tests/test_pipeline_parity.py -k "not four_ranks"
+  tests/test_dropin.py tests/test_interception.py tests/test_pipeline_parity.py \
+  -k "not four_ranks and not on_two_ranks and not python_calls and not torchrec[table_wise] and not torchrec[column_wise]"

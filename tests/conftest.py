@@ -11,3 +11,28 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
+
+
+#: the tests that take CI's 2 cores 30 s or more, longest first: xdist hands tests out in
+#: collection order, so these start first and none of them ends the run alone
+SLOW_FIRST = (
+    "test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant",
+    "test_two_nodes_of_two_match_one_node_of_four",
+    "test_python_calls_per_step_do_not_grow_with_the_model",
+    "test_losses_bit_identical_on_four_ranks",
+    "test_readme_stop_and_resume_commands",
+    "test_losses_match_ddp",
+    "test_two_ranks_inert_outside_and_narrow_inside",
+    "test_torchrun_two_ranks_both_pipelines_agree",
+    "test_two_ranks_resume_bit_identical_with_every_optimizer",
+    "test_kill_9_while_training_and_while_saving_then_resume",
+    "test_one_rank_inert_outside_and_narrow_inside",
+    "test_all_to_all_outputs_on_main_bit_identical",
+    "test_sigint_finishes_the_step_saves_and_prints_how_to_resume",
+    "test_readme_command_runs",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.originalname, len(SLOW_FIRST)))  # stable

@@ -1,7 +1,6 @@
-"""Past one host: the training job under torchrun as two "nodes" of 2 processes on this machine
-(c10d rendezvous on localhost) trains to the losses of one node of 4 processes; recpipe's
-pipeline matches torchrec's on 8 ranks as 2 nodes of 4 (the all-to-all and its permutes across
-"nodes")."""
+"""Past one host: the training job (recpipe's pipeline) under torchrun as two "nodes" of 2
+processes on this machine (c10d rendezvous on localhost) trains to the losses of one node of 4
+processes; recpipe against torchrec on 4 ranks: tests/test_pipeline_parity.py."""
 
 from __future__ import annotations
 
@@ -11,13 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from dist_utils import free_port, run_ranks
-from test_pipeline_parity import SHARDINGS, _train
+from dist_utils import free_port
 from test_train import ROOT, SYNTHETIC
-
-from recpipe.testing.synthetic import ModelSpec
-from recpipe.pipeline.topology import node_layout
 
 RUN = (*SYNTHETIC, "trainer.steps=20", "trainer.log_interval=5", "trainer.eval=false",
        "trainer.checkpoint=false")
@@ -55,16 +49,3 @@ def test_two_nodes_of_two_match_one_node_of_four(tmp_path: Path) -> None:
     assert one.returncode == 0, output[-3000:]
     two_nodes, one_node = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     assert len(two_nodes) == 4 and two_nodes == one_node
-
-
-def _two_nodes_of_four(rank: int, world: int, device: torch.device) -> dict:
-    os.environ["LOCAL_WORLD_SIZE"] = "4"  # as torchrun sets it on each of the 2 nodes
-    assert node_layout(world).num_nodes == 2
-    spec = ModelSpec(num_tables=8, sequence=False)  # a table or two per rank in each module
-    return _train(rank, world, device, SHARDINGS["mixed_tw_cw"], steps=6, spec=spec)
-
-
-def test_eight_ranks_as_two_nodes_recpipe_matches_torchrec(monkeypatch) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    for r in run_ranks(8, _two_nodes_of_four):
-        assert len(r["recpipe"]) == 6 and r["recpipe"] == r["torchrec"]

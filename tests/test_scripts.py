@@ -43,17 +43,18 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
 
 
-def test_bench_pipeline_runs_every_dense_allreduce_variant_and_the_anchors(tmp_path: Path) -> None:
-    """The anchors (torchrec's SparseDist, Base, SparseDistLite) and recpipe's variants run
-    side by side; their runs make the memory-time plane (plot_pareto.py)."""
+def test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant(tmp_path: Path) -> None:
+    """The anchors (torchrec's SparseDist, Base, SparseDistLite) and recpipe with its compiled
+    dense all-reduce run side by side; their runs make the memory-time plane (plot_pareto.py).
+    (The other all-reduce variants differ only in BucketedAllReduce's arguments, which
+    test_data_parallel.py and test_all_reduce.py cover; each compile costs CI ~1 min.)"""
     out = tmp_path / "r.json"
-    names = ["torchrec", "torchrec_base", "torchrec_lite", "recpipe", "recpipe_nccl_ar",
-             "recpipe_auto_ar"]
+    names = ["torchrec", "torchrec_base", "torchrec_lite", "recpipe_nccl_ar"]
     r = _run(str(SCRIPTS / "bench_pipeline.py"), "--config=tiny", "--nproc=1", "--repeats=1",
              "--warmup=1", "--steps=3", f"--pipelines={','.join(names)}",
              f"--data-dir={tmp_path}", f"--json={out}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "losses bit-identical across all 6 runs: True" in r.stdout
+    assert "losses bit-identical across all 4 runs: True" in r.stdout
     runs = json.loads(out.read_text())["runs"]
     assert list(runs) == names
     assert all(len(rs[0]["ms"]) == 3 for rs in runs.values())
