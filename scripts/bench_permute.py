@@ -12,7 +12,9 @@ so that drift hits them all alike:
 - ``ours``            recpipe op, no sum, no buffers (syncs once)
 - ``ours+sum``        recpipe op with the sum, allocating its outputs
 - ``ours+prealloc``   recpipe op with the sum and preallocated outputs (zero allocations)
-- ``fbgemm+prealloc`` fbgemm.permute_2D_sparse_preallocated_out, where installed (no checks)
+- ``fbgemm+prealloc`` fbgemm.permute_2D_sparse_preallocated_out (fbgemm_gpu >= 1.8) with the sum
+                      and the same buffers (it checks no buffer). Where fbgemm_gpu lacks it (1.6
+                      on the GPU kit) the row is skipped, with a note under the table
 - ``copy``            one device copy of the bytes the permute reads and writes
 
 Columns: host time per call (the Python + launch cost, with the device idle when the call
@@ -39,6 +41,10 @@ from recpipe.bench.gpu_timing import device_ms
 from recpipe.bench.permute_inputs import SHAPES, Inputs, make_inputs
 
 
+PREALLOC_OP = "permute_2D_sparse_preallocated_out"
+HAS_FBGEMM_PREALLOC = hasattr(torch.ops.fbgemm, PREALLOC_OP)  # fbgemm_gpu >= 1.8
+
+
 def variants(x: Inputs) -> dict[str, Callable[[], object]]:
     lo = torch.empty_like(x.lengths)
     vo = torch.empty(x.n, dtype=x.values.dtype, device=x.values.device)
@@ -55,7 +61,7 @@ def variants(x: Inputs) -> dict[str, Callable[[], object]]:
         "ours+sum": lambda: ours(*args, x.n),
         "ours+prealloc": lambda: ours(*args, x.n, lo, vo, wo),
     }
-    if hasattr(fb, "permute_2D_sparse_preallocated_out"):
+    if HAS_FBGEMM_PREALLOC:
         out["fbgemm+prealloc"] = lambda: fb.permute_2D_sparse_preallocated_out(*args, x.n, lo, vo, wo)
     out["copy"] = lambda: dst.copy_(src)
     return out
@@ -127,6 +133,12 @@ def run_shape(name: str, device: str, rounds: int, iters: int, weighted: bool) -
         rows.append(
             f"| {k} | {host:.3f} | {host / fbgemm_host:.2f}x | {dev50:.3f} | {pct(devs, 0.9):.3f} | "
             f"{dev50 / fbgemm_dev:.2f}x | {peak:.1f} | {bw:.0%} |"
+        )
+    if not HAS_FBGEMM_PREALLOC:
+        version = getattr(fbgemm_gpu, "__version__", "?")
+        rows.append(
+            f"\nfbgemm+prealloc: skipped, fbgemm_gpu {version} has no fbgemm.{PREALLOC_OP} "
+            "(fbgemm_gpu >= 1.8)"
         )
     return rows
 

@@ -1,4 +1,4 @@
-"""Random inputs for the permute tests, and the fbgemm reference."""
+"""Random inputs for the permute tests, and the fbgemm references."""
 
 from __future__ import annotations
 
@@ -64,3 +64,17 @@ def fbgemm_reference(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     w32 = None if weights is None else weights.float()
     lengths, values, w = op(c.permute.to(torch.int32), c.lengths, values, w32, None)
     return lengths, values, None if w is None else w.to(weights.dtype)
+
+
+# fbgemm_gpu >= 1.8: its own op with preallocated outputs (CPU in CI).
+HAS_FBGEMM_PREALLOCATED_OUT = hasattr(torch.ops.fbgemm, "permute_2D_sparse_preallocated_out")
+
+
+def fbgemm_preallocated_out(
+    case: Case, n: int | None, outs: tuple
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fbgemm.permute_2D_sparse_preallocated_out on CPU into the CPU buffers ``outs`` (2D lengths
+    only; its permute must be int32). It returns the buffers whole, in the shape they were given."""
+    c = case.to("cpu")
+    op = torch.ops.fbgemm.permute_2D_sparse_preallocated_out
+    return op(c.permute.to(torch.int32), c.lengths, c.values, c.weights, n, *outs)

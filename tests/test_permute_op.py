@@ -1,4 +1,5 @@
-"""recpipe::permute_2D_sparse_data: fbgemm parity, zero-copy, errors, autograd, opcheck, compile."""
+"""recpipe::permute_2D_sparse_data: fbgemm parity (its permute_2D_sparse_data and, where installed,
+its permute_2D_sparse_preallocated_out), zero-copy, errors, autograd, opcheck, compile."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from permute_cases import Case, fbgemm_reference, make_case
+from permute_cases import (
+    HAS_FBGEMM_PREALLOCATED_OUT,
+    Case,
+    fbgemm_preallocated_out,
+    fbgemm_reference,
+    make_case,
+)
 
 import recpipe.ops  # noqa: F401  (registers torch.ops.recpipe)
 from recpipe.ops import permute_2D_sparse_data
@@ -67,11 +74,12 @@ def test_parity_with_fbgemm(
             assert_same(op(*case.args(), n), ref)
 
 
+@pytest.mark.parametrize("B", [4, None], ids=["2D", "1D"])  # (fbgemm's preallocated op: 2D only)
 @pytest.mark.parametrize("give_sum", [True, False])
 @pytest.mark.parametrize("extra", [0, 5])
 @pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
-def test_out_buffers_are_written_in_place(device, give_sum: bool, extra: int, call) -> None:
-    case = make_case(9, 4, 12, seed=1).to(device)
+def test_out_buffers_are_written_in_place(device, B, give_sum: bool, extra: int, call) -> None:
+    case = make_case(9, B, 12, seed=1).to(device)
     ref = fbgemm_reference(case)
     n = int(ref[0].sum())
     lo, vo, wo = buffers(case, n, extra)
@@ -82,6 +90,87 @@ def test_out_buffers_are_written_in_place(device, give_sum: bool, extra: int, ca
     if extra:  # nothing written past the front
         for buf in (lo, vo, wo):
             assert (buf[-extra:] == -7).all()
+
+
+def _front_of(result: torch.Tensor, buf: torch.Tensor) -> bool:
+    """``result`` starts where ``buf`` does, in its storage (``data_ptr()`` is 0 for an empty
+    tensor, so compare the storages)."""
+    same_storage = result.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    return same_storage and result.storage_offset() == buf.storage_offset()
+
+
+@pytest.mark.skipif(
+    not HAS_FBGEMM_PREALLOCATED_OUT,
+    reason="this fbgemm_gpu has no permute_2D_sparse_preallocated_out (fbgemm_gpu >= 1.8)",
+)
+@settings(max_examples=40, deadline=None)
+@given(
+    T=st.integers(0, 12),
+    B=st.integers(0, 9),
+    T_out=st.integers(0, 16),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    permute_dtype=st.sampled_from([torch.int32, torch.int64]),
+    values_dtype=st.sampled_from([torch.int32, torch.int64, torch.float32]),
+    weights_dtype=st.sampled_from([None, torch.float32, torch.float64, torch.float16]),
+    give_sum=st.booleans(),
+    extra=st.sampled_from([0, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_with_fbgemm_preallocated_out(
+    T, B, T_out, index_dtype, permute_dtype, values_dtype, weights_dtype, give_sum, extra, seed
+) -> None:
+    """Into preallocated buffers, recpipe's op writes what fbgemm's own preallocated op writes:
+    the same buffer contents, the results in front and the rest untouched. Exact-size buffers
+    (the lengths one shaped [T', B]) come back as themselves from both: the same results. Larger
+    ones: fbgemm returns them whole, recpipe the fronts in the output shapes."""
+    case = make_case(
+        T, B, T_out if T else 0, index_dtype=index_dtype, permute_dtype=permute_dtype,
+        values_dtype=values_dtype, weights_dtype=weights_dtype, seed=seed,
+    )
+    ref = fbgemm_reference(case)
+    n = int(ref[0].sum())
+
+    def outs(c: Case) -> tuple:
+        lo, vo, wo = buffers(c, n, extra)
+        return (lo.view(ref[0].shape) if extra == 0 else lo), vo, wo
+
+    fb_outs = outs(case)
+    fb = fbgemm_preallocated_out(case, n if give_sum else None, fb_outs)
+    if extra == 0:
+        assert_same(fb, ref)  # the anchor agrees with fbgemm's allocating op
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        dcase = case.to(device)
+        for call in CALLS:
+            our_outs = outs(dcase)
+            got = call(*dcase.args(), n if give_sum else None, *our_outs)
+            assert_same(got, fb if extra == 0 else ref)
+            for result, ours, theirs in zip(got, our_outs, fb_outs):
+                if theirs is None:
+                    assert result is None and ours is None
+                    continue
+                assert _front_of(result, ours)
+                assert torch.equal(ours.cpu(), theirs)
+
+
+@pytest.mark.parametrize("give_sum", [True, False])
+@pytest.mark.parametrize("empty", ["no output rows", "no batch", "zero lengths"])
+@pytest.mark.parametrize("call", CALLS, ids=lambda op: op.__name__)
+def test_empty_input_returns_the_given_buffers(device, give_sum: bool, empty: str, call) -> None:
+    """Nothing to permute: the results are the fronts of the given (larger) buffers, on every
+    device; nothing is cloned (fbgemm's CUDA kernels return clones of the inputs when T' or B is
+    0) and nothing past the front is written."""
+    T, B, T_out, max_len = {
+        "no output rows": (4, 3, 0, 6), "no batch": (4, 0, 5, 6), "zero lengths": (4, 3, 5, 0)
+    }[empty]
+    case = make_case(T, B, T_out, max_len=max_len, extra_values=4, seed=10).to(device)
+    ref = fbgemm_reference(case)
+    assert int(ref[0].sum()) == 0
+    outs = buffers(case, 0, extra=2)
+    got = call(*case.args(), 0 if give_sum else None, *outs)
+    assert_same(got, ref)
+    for result, buf in zip(got, outs):
+        assert _front_of(result, buf)
+        assert (buf[-2:] == -7).all()
 
 
 def test_out_buffers_allocate_nothing_else_for_results(device) -> None:
