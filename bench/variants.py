@@ -10,6 +10,7 @@ its own memory options (``torchrec_early_free``, ``torchrec_clear_inputs``, ``to
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from collections.abc import Callable
 
@@ -84,3 +85,13 @@ DENSE_ALLREDUCE: dict[str, Callable[[], BucketedAllReduce]] = {
     "recpipe_symm_ar": lambda: BucketedAllReduce(algorithm="symm_mem"),
     "recpipe_auto_ar": lambda: BucketedAllReduce(algorithm="auto"),
 }
+
+
+def pipeline_names(text: str) -> list[str]:
+    """A ``--pipelines`` argument (comma-separated): known names only, checked before anything
+    is built (an ``argparse`` type)."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in PIPELINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: pick from {', '.join(PIPELINES)}")
+    return names

@@ -122,10 +122,11 @@ def time_us(fn, device: torch.device) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sizes", default="4K,16K,64K,256K,1M,2M,4M,16M,64M")
-    p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sizes", default="4K,16K,64K,256K,1M,2M,4M,16M,64M",
+                   help="comma-separated message sizes in bytes (K, M suffixes)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per size, dtype and algorithm")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before them")
     p.add_argument("--json", default=None, help="also write the rows here (rank 0)")
     p.add_argument("--write-table", action="store_true",
                    help="write the P50s as this machine's all-reduce table (CUDA; rank 0)")

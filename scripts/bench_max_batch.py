@@ -22,6 +22,9 @@ import subprocess
 import sys
 import tempfile
 
+from recpipe.bench.configs import CONFIGS
+from recpipe.bench.variants import PIPELINES, pipeline_names
+
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_pipeline.py")
 
 
@@ -60,22 +63,26 @@ def largest(a: argparse.Namespace, name: str) -> tuple[int, dict | None]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="large")
-    p.add_argument("--pipelines", default="torchrec,torchrec_free_clear,recpipe")
+    p.add_argument("--config", default="large", choices=sorted(CONFIGS),
+                   help="the model and batch (recpipe.bench.configs; default: large)")
+    p.add_argument("--pipelines", default="torchrec,torchrec_free_clear,recpipe", type=pipeline_names,
+                   help="comma-separated; ratios are to the first; one of: " + ", ".join(PIPELINES))
     p.add_argument("--cap-mib", type=float, required=True, help="GPU memory per process")
-    p.add_argument("--lo", type=int, required=True)
-    p.add_argument("--hi", type=int, required=True)
-    p.add_argument("--step", type=int, default=256)
+    p.add_argument("--lo", type=int, required=True, help="a batch size expected to fit")
+    p.add_argument("--hi", type=int, required=True, help="a batch size expected not to fit")
+    p.add_argument("--step", type=int, default=256, help="batch sizes tried are multiples of this")
     p.add_argument("--trials", type=int, default=4, help="bisection steps per pipeline")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per trial")
     p.add_argument("--steps", type=int, default=17, help="timed steps (20 in all by default)")
-    p.add_argument("--sharding", default="table_wise,column_wise")
-    p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "recpipe-bench"))
+    p.add_argument("--sharding", default="table_wise,column_wise",
+                   help="sharding types, cycled over tables (as bench_pipeline.py's)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks, one process each")
+    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "recpipe-bench"),
+                   help="where the generated batches and each trial's JSON go")
     p.add_argument("--out", default=None, help="also append the table (markdown) here")
     a = p.parse_args()
     os.makedirs(a.data_dir, exist_ok=True)
-    names = a.pipelines.split(",")
+    names = a.pipelines
     found = {n: largest(a, n) for n in names}
     ref = found[names[0]][0] or 1
     rows = [f"\n### largest batch in {a.cap_mib:.0f} MiB per GPU ({a.config}, {a.nproc} GPU(s), "

@@ -145,7 +145,8 @@ def run_shape(name: str, device: str, rounds: int, iters: int, weighted: bool) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (the Triton kernels) or cpu (default: cuda where present)")
     p.add_argument("--shapes", default="small", help=f"comma-separated of {sorted(SHAPES)}")
     p.add_argument("--rounds", type=int, default=5, help="round-robin passes over the variants")
     p.add_argument("--iters", type=int, default=20, help="calls per variant per round")

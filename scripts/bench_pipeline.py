@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.cuda import _sanitizer
 
 from recpipe.bench.configs import CONFIGS
-from recpipe.bench.variants import DENSE_ALLREDUCE, PIPELINES
+from recpipe.bench.variants import DENSE_ALLREDUCE, PIPELINES, pipeline_names
 from recpipe.testing.launch import rank_backend_device
 from recpipe.testing.synthetic import ModelSpec, build_sharded, deterministic_kernels, make_batch
 
@@ -148,15 +148,6 @@ def child(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _pipeline_names(text: str) -> list[str]:
-    """``--pipelines``: known names only, checked before anything is built."""
-    names = text.split(",")
-    unknown = [n for n in names if n not in PIPELINES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: pick from {', '.join(PIPELINES)}")
-    return names
-
-
 def config(a: argparse.Namespace) -> ModelSpec:
     spec = CONFIGS[a.config]
     return replace(spec, batch_size=a.batch_size) if a.batch_size else spec
@@ -246,18 +237,22 @@ def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    p.add_argument("--pipelines", default="torchrec,recpipe", type=_pipeline_names,
+    p.add_argument("--config", default="small", choices=sorted(CONFIGS),
+                   help="the model and batch (recpipe.bench.configs; default: small)")
+    p.add_argument("--pipelines", default="torchrec,recpipe", type=pipeline_names,
                    help="comma-separated, alternating in this order; one of: " + ", ".join(PIPELINES))
     p.add_argument("--sharding", default="table_wise,column_wise",
                    help="sharding types, cycled over tables (mixing makes the input dist permute)")
-    p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()),
+                   help="ranks, one process each (default: the GPU count, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs per pipeline, each in a fresh process, alternating (default: 5)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per run (default: 5)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run (default: 30)")
     p.add_argument("--batch-size", type=int, default=None, help="override the config's")
     p.add_argument("--distinct-batches", type=int, default=3, help="batches generated, cycled")
-    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "recpipe-bench"))
+    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "recpipe-bench"),
+                   help="where the generated batches are cached (default: %(default)s)")
     p.add_argument("--out", default=None, help="also append the table (markdown) here")
     p.add_argument("--profile", default=None,
                    help="write a torch.profiler chrome trace of 3 timed steps per run here")

@@ -23,9 +23,10 @@ def load(path: str) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--rtol", type=float, default=0.0)
+    p.add_argument("a", help="a run's metrics.jsonl")
+    p.add_argument("b", help="the other run's metrics.jsonl")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="largest relative loss difference allowed (default 0: bit-identical)")
     args = p.parse_args()
     a, b = load(args.a), load(args.b)
     if [r["step"] for r in a] != [r["step"] for r in b] or not a:

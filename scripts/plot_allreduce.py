@@ -92,7 +92,7 @@ def plot(data: list[dict], spans: list[tuple[int, int]], path: str, title: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", type=Path, help="a table file (default: the shipped 2 x H200 one)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="the table's dtype shown (default: bfloat16)")
     parser.add_argument("--plot", help="write a PNG here")
     args = parser.parse_args()
     table = read_table(args.table or shipped_path(H200))

@@ -44,11 +44,13 @@ def allreduce_rows(paths: list[str], bucket: int, dtype: str) -> dict[int, dict[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--pipeline", nargs="*", default=[])
-    p.add_argument("--allreduce", nargs="*", default=[])
+    p.add_argument("--pipeline", nargs="*", default=[],
+                   help="bench_pipeline.py --json files, one per GPU count")
+    p.add_argument("--allreduce", nargs="*", default=[],
+                   help="bench_allreduce.py --json files, one per GPU count")
     p.add_argument("--bucket", type=int, default=16 << 20, help="all-reduce size shown (bytes)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--plot", default=None)
+    p.add_argument("--dtype", default="float32", help="the all-reduce dtype shown")
+    p.add_argument("--plot", default=None, help="write a PNG here")
     a = p.parse_args()
     pipes = pipeline_rows(a.pipeline)
     ars = allreduce_rows(a.allreduce, a.bucket, a.dtype)

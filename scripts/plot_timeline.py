@@ -73,11 +73,11 @@ def _first(trace: Sequence[Mapping[str, Any]], tag: str, default: int | None = N
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("snapshots", nargs="+")
+    p.add_argument("snapshots", nargs="+", help="CUDA memory snapshots (bench_pipeline.py --snapshot)")
     p.add_argument("--out", required=True, help="PNG path")
     p.add_argument("--step", type=int, default=8, help="first step shown (0-based)")
     p.add_argument("--steps", type=int, default=2, help="steps shown")
-    p.add_argument("--title", default="")
+    p.add_argument("--title", default="", help="the plot's title")
     a = p.parse_args()
     import matplotlib
 

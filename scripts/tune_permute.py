@@ -26,9 +26,9 @@ def device_ms(fn, iters: int = 30) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="large")
-    p.add_argument("--weighted", action="store_true")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="large", choices=sorted(SHAPES), help="the inputs' shape")
+    p.add_argument("--weighted", action="store_true", help="permute float32 weights too")
     a = p.parse_args()
     x = make_inputs(*SHAPES[a.shape], "cuda", a.weighted)
     lo, vo = torch.empty_like(x.lengths), torch.empty(x.n, dtype=x.values.dtype, device="cuda")
