@@ -638,8 +638,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sharding", default="table_wise,column_wise",
                    help="sharding types, cycled over each module's tables")
     p.add_argument("--gpus", default="1,2", help="points below one node")
-    p.add_argument("--nodes", default="1,2,4,8,16,32,64")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", default="1,2,4,8,16,32,64", help="comma-separated node counts modelled")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
     p.add_argument("--intra-gb-s", type=float, default=INTRA_NODE_GB_S,
                    help="NVLink, GB/s per GPU and direction (H200: 900 both ways)")
     p.add_argument("--inter-gb-s", type=float, default=INTER_NODE_GB_S,
@@ -657,11 +657,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="fused into the tables' backward and on the dense part (bench: sgd)")
     p.add_argument("--hbm-gib", type=float, default=140.0,
                    help="per GPU (H200); larger peaks are flagged")
-    p.add_argument("--free-inputs-early", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--free-inputs-early", action=argparse.BooleanOptionalAction, default=True,
+                   help="model recpipe's free_inputs_early (default: on, as the pipeline's)")
     p.add_argument("--unsharded-copy", action=argparse.BooleanOptionalAction, default=True,
                    help="every rank keeps the unsharded tables, as build_sharded does today")
-    p.add_argument("--out-md", default=os.path.join(ROOT, "docs/measured/scaling-model.md"))
-    p.add_argument("--out-png", default=os.path.join(ROOT, "docs/scaling-model.png"))
+    p.add_argument("--out-md", default=os.path.join(ROOT, "docs/measured/scaling-model.md"),
+                   help="write the markdown report here")
+    p.add_argument("--out-png", default=os.path.join(ROOT, "docs/scaling-model.png"),
+                   help="write the plot here")
     return p.parse_args(argv)
 
 

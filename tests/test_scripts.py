@@ -120,11 +120,11 @@ def test_memory_snapshot_analysis_self_test_and_recording_without_cuda(tmp_path:
 
 
 def test_every_script_option_has_help() -> None:
-    """``--help`` documents every option of every script (issue 23, case 9)."""
+    """``--help`` documents every option of every script and tool (issue 23, case 9)."""
     import ast
 
     bare = []
-    for path in sorted(SCRIPTS.glob("*.py")):
+    for path in sorted(p for d in ("scripts", "bench", "train") for p in (SCRIPTS.parent / d).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "add_argument"

@@ -190,7 +190,8 @@ def prepare(out: Path, force: bool = False) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    p.add_argument("--out", type=Path, default=DEFAULT_PATH,
+                   help="where to write the .npz (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out is good")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
