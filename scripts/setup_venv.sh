@@ -27,7 +27,11 @@ pip install "$torch" "fbgemm-gpu-cpu==$fbgemm" "$triton" \
   hydra-core==1.3.8 omegaconf==2.3.1 matplotlib \
   pytest pytest-xdist pytest-timeout "hypothesis>=6.100"
 pip install --no-deps "torchrec==$torchrec"
+# one at a time (scripts/test.sh runs two set-ups at once): setuptools writes recpipe.egg-info
+# into the checkout
+exec 9>.setup.lock && flock 9
 pip install --no-deps --no-build-isolation -e .
+flock -u 9
 "$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, recpipe.ops
 print('recpipe venv ready:', '$venv', 'torch', torch.__version__, 'torchrec', torchrec.__version__)"
 echo "$want" >"$stamp"

@@ -5,10 +5,15 @@
 # collected) fails too. Arguments go to the main suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the two set-ups in parallel (pip unpacking from disk: one core each); .venv-1.8's log is shown
+# if it fails
+bash scripts/setup_venv.sh 1.8 >.venv-1.8.log 2>&1 &
+setup_18=$!
+trap 'kill "$setup_18" 2>/dev/null || true' EXIT
 bash scripts/setup_venv.sh
 .venv/bin/python -m pytest -q -n 2 --timeout 900 --durations=15 "$@"
-TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:randomly --timeout 900 tests/test_permute_triton.py
-bash scripts/setup_venv.sh 1.8
+TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -n 2 --timeout 900 tests/test_permute_triton.py
+wait "$setup_18" || { cat .venv-1.8.log >&2; exit 1; }
 # (on 1.8, the tests where torchrec's versions differ: one 2-rank plan, no 4 ranks, no host-cost
 # count; the main suite runs them all)
 .venv-1.8/bin/python -m pytest -q -n 2 --timeout 900 -p no:cacheprovider \

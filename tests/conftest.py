@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import close_pools
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -36,3 +37,7 @@ SLOW_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.originalname, len(SLOW_FIRST)))  # stable
+
+
+def pytest_sessionfinish() -> None:
+    close_pools()  # an xdist worker may end without running atexit handlers
