@@ -165,3 +165,31 @@ def test_the_resume_command_repeats_how_the_run_was_started(
     expected = [x.format(python=sys.executable) for x in started]
     assert shlex.split(cli._resume_command("/ck")) == [
         *expected, "data=synthetic", "trainer.checkpoint_dir=/ck", "trainer.resume=true"]
+
+
+def test_pip_install_into_a_torchrec_environment_then_recpipe_train(wheel: Path, tmp_path: Path) -> None:
+    """The README's install: plain ``pip install <wheel>[train]`` into a fresh venv that already
+    holds torch and torchrec (this one's packages, seen through a .pth) installs only recpipe
+    (no index: nothing to fetch), and its ``recpipe-train`` trains MovieLens from elsewhere."""
+    import site as site_module
+    import venv
+
+    env_dir = tmp_path / "user"
+    venv.create(env_dir, with_pip=False)
+    (inner,) = env_dir.glob("lib/python*/site-packages")
+    outer = [p for p in site_module.getsitepackages() if Path(p, "torchrec").is_dir()]
+    (inner / "torchrec-env.pth").write_text("\n".join(outer) + "\n")
+    python = env_dir / "bin" / "python"
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                        "--disable-pip-version-check", "--no-index", f"{wheel}[train]"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name.split("-")[0] for p in inner.glob("*.dist-info")) == ["recpipe"]
+    where = subprocess.run([python, "-c", "import recpipe; print(recpipe.__file__)"],
+                           capture_output=True, text=True, timeout=60).stdout.strip()
+    assert Path(where).is_relative_to(inner)  # the wheel's, not this checkout's
+    r = subprocess.run([env_dir / "bin" / "recpipe-train", "trainer.steps=5", f"output_dir={tmp_path}/out"],
+                       cwd=tmp_path, env={**ENV, "RECPIPE_DATA_DIR": str(ROOT / "data")},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: loss" in r.stderr + r.stdout
