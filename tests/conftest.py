@@ -18,7 +18,7 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 #: collection order, so these start first and none of them ends the run alone
 SLOW_FIRST = (
     "test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant",
-    "test_two_nodes_of_two_match_one_node_of_four",
+    "test_two_nodes_match_one_node",
     "test_python_calls_per_step_do_not_grow_with_the_model",
     "test_losses_bit_identical_on_four_ranks",
     "test_readme_stop_and_resume_commands",

@@ -1,6 +1,7 @@
-"""Past one host: the training job (recpipe's pipeline) under torchrun as two "nodes" of 2
-processes on this machine (c10d rendezvous on localhost) trains to the losses of one node of 4
-processes; recpipe against torchrec on 4 ranks: tests/test_pipeline_parity.py."""
+"""Past one host: the training job (recpipe's pipeline) under torchrun as two "nodes" of 1
+process on this machine (c10d rendezvous on localhost) trains to the losses of one node of 2
+(the layouts: tests/test_topology.py; recpipe against torchrec on 4 ranks:
+tests/test_pipeline_parity.py)."""
 
 from __future__ import annotations
 
@@ -33,18 +34,18 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_two_nodes_of_two_match_one_node_of_four(tmp_path: Path) -> None:
+def test_two_nodes_match_one_node(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        _torchrun("--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        _torchrun("--nnodes=2", f"--node-rank={i}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={endpoint}", "--rdzv-id=multinode-test",
                   out=tmp_path / "two")
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outputs)
-    assert "(world size 4: 2 nodes x 2 rank(s), cpu)" in outputs[0]  # rank 0's log: the layout
-    one = _torchrun("--standalone", "--nproc-per-node=4", out=tmp_path / "one")
+    assert "(world size 2: 2 nodes x 1 rank(s), cpu)" in outputs[0]  # rank 0's log: the layout
+    one = _torchrun("--standalone", "--nproc-per-node=2", out=tmp_path / "one")
     output = one.communicate(timeout=600)[0]
     assert one.returncode == 0, output[-3000:]
     two_nodes, one_node = _losses(tmp_path / "two"), _losses(tmp_path / "one")
