@@ -141,3 +141,34 @@ def test_torchrun_reports_our_error_as_the_root_cause(tmp_path: Path) -> None:
     assert "  traceback : error: trainer.steps=0: must be > 0" in output.splitlines(), output
     assert "To enable traceback" not in output
     assert f'File "{ROOT / "scripts"}' not in output and f'File "{ROOT / "train"}' not in output
+
+
+def test_the_data_source_failing_mid_run_saves_the_last_step_and_the_resume_logs_the_same_rows(
+    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At world size 1: the source raises when the pipeline reads batch 9 (two steps ahead of
+    the model); the steps trained before are saved, and the resumed run logs the rows of a run
+    that never failed."""
+    from recpipe.train.data import SyntheticSource
+
+    batches = SyntheticSource.train_batches
+
+    def failing(self, rank, world, start, stop):
+        for step, batch in zip(range(start, stop), batches(self, rank, world, start, stop)):
+            if step == 9:
+                raise OSError("the disk went away")
+            yield batch
+
+    monkeypatch.setattr(SyntheticSource, "train_batches", failing)
+    ck = tmp_path / "ck"
+    common = ("trainer.steps=12", "trainer.log_interval=5", f"trainer.checkpoint_dir={ck}")
+    with pytest.raises(RunFailed) as e:
+        train(config(*common), gloo, str(tmp_path / "a"))
+    assert str(e.value.__cause__) == "the disk went away"
+    assert e.value.checkpoint == (str(ck / "step_7"), str(ck))  # batches 0-6 trained
+    monkeypatch.undo()
+    rest = train(config(*common, "trainer.resume=true"), gloo, str(tmp_path / "b"))
+    reference = train(config(*common[:2], "trainer.checkpoint=false"), gloo, str(tmp_path / "ref"))
+    assert [s for s, _, _ in losses(rest)] == [10, 12]
+    written = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert _rows(written) == _rows(reference)

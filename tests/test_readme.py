@@ -64,6 +64,7 @@ def test_readme_stop_and_resume_commands(tmp_path: Path) -> None:
     first = _run(stop, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "stopped after step 20 of 40 (trainer.stop_after): checkpoint " in first.stderr
+    assert "the same command, trainer.stop_after dropped or raised, and " in first.stderr
     assert f"trainer.resume=true trainer.checkpoint_dir={tmp_path / 'ck'}" in first.stderr
     second = _run(resume, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]

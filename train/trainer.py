@@ -301,20 +301,23 @@ class _Trainer:
                 f.writelines(json.dumps(r) + "\n" for r in self.history)
         stop = min(t.steps, t.stop_after or t.steps)
         pipeline = PIPELINES[self.cfg.pipeline.name](self.model, self.optimizer, self.device)
-        it = self.source.train_batches(self.rank, self.world, self.start, stop)
+        self.data_failed = False
+        it = self._watched(self.source.train_batches(self.rank, self.world, self.start, stop))
         rows, final_eval = [], None
         progress = _Progress(self.rank, t.steps, self.start, self.cfg.pipeline.name)
         self._clock = (time.perf_counter(), self.start)
         try:
             for step in range(self.start + 1, stop + 1):  # step: steps done after this one
-                self.window.add(*pipeline.progress(it))
+                with self._saved_on_failure(step - 1, data_only=True):
+                    self.window.add(*pipeline.progress(it))
                 progress.step()
                 with self._saved_on_failure(step):
                     final_eval = self._after_step(step, stop, pipeline, rows, progress) or final_eval
         finally:
             progress.close()
         if stop < t.steps and self.rank == 0:  # trainer.stop_after: say where and how to go on
-            where = (f"checkpoint {self.ckpt.step_dir(stop)}; resume with the same command and "
+            where = (f"checkpoint {self.ckpt.step_dir(stop)}; resume with the same command, "
+                     "trainer.stop_after dropped or raised, and "
                      f"trainer.resume=true trainer.checkpoint_dir={self.ckpt.path}"
                      if self.ckpt else "no checkpoint (trainer.checkpoint=false)")
             log.info("stopped after step %d of %d (trainer.stop_after): %s", stop, t.steps, where)
@@ -352,19 +355,31 @@ class _Trainer:
                                       self.ckpt and self.ckpt.path)
         return row
 
+    def _watched(self, batches: Iterator) -> Iterator:
+        """``batches``, noting in ``data_failed`` that the data source raised."""
+        try:
+            yield from batches
+        except Exception:
+            self.data_failed = True
+            raise
+
     @contextmanager
-    def _saved_on_failure(self, step: int) -> Iterator[None]:
-        """The block runs after ``step`` was trained (logging, deciding, saving, evaluating). At
-        world size 1 an unexpected exception in it first saves ``step`` (a failed save is
-        tried once more), so the run resumes from there. At world size > 1 it saves nothing:
-        one rank cannot know that the others will join the save's collectives; the last
-        checkpoint saved stays. Errors the user can fix, a non-finite loss among them, and
-        interruptions pass as they are."""
+    def _saved_on_failure(self, step: int, data_only: bool = False) -> Iterator[None]:
+        """The block runs after ``step`` was trained (logging, deciding, saving, evaluating; or,
+        with ``data_only``, the next step, whose pipeline reads the next batches before it
+        changes the model). At world size 1 an unexpected exception in it (with ``data_only``:
+        one the data source raised) first saves ``step`` (a failed save is tried once more),
+        so the run resumes from there. At world size > 1 it saves nothing: one rank cannot
+        know that the others will join the save's collectives; the last checkpoint saved
+        stays. Errors the user can fix, a non-finite loss among them, and interruptions pass
+        as they are."""
         try:
             yield
         except (UsageError, TrainingInterrupted):
             raise
         except Exception:
+            if data_only and not self.data_failed:
+                raise  # the model may be part-way through the step: the last save stays
             if self.ckpt is not None and self.world == 1 and step != self.saved:
                 try:  # RunFailed names the checkpoint
                     self._save(step)
