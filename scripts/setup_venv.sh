@@ -4,8 +4,9 @@
 #   1.9  .venv/      torch 2.14.0, fbgemm-gpu-cpu 1.9.0, torchrec 1.9.2 (the newest: CI's)
 #   1.8  .venv-1.8/  torch 2.13.0, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0 (CI's second step)
 # torchrec goes in last, with --no-deps: its declared dependency is the CUDA fbgemm-gpu. Then,
-# for .venv, the MovieLens-100k data (scripts/prepare_movielens.py checks the file, rebuilds a
-# bad one). Idempotent: a finished venv is marked by its .recpipe-ready stamp.
+# for .venv, the MovieLens-100k data (python -m recpipe.train.prepare_movielens, the README's
+# command: it checks the file, rebuilds a bad one). Idempotent: a finished venv is marked by its
+# .recpipe-ready stamp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stack=${1:-1.9}
@@ -16,7 +17,7 @@ case "$stack" in
 esac
 stamp=$venv/.recpipe-ready
 want="v2 $(sha1sum scripts/setup_venv.sh pyproject.toml | sha1sum | cut -c1-12)"
-prepare_data() { [ "$venv" != .venv ] || .venv/bin/python scripts/prepare_movielens.py; }
+prepare_data() { [ "$venv" != .venv ] || .venv/bin/python -m recpipe.train.prepare_movielens; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then prepare_data; exit 0; fi
 python3 -m venv "$venv"
 # pip's notes on this machine's local package mirror are noise
