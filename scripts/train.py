@@ -6,7 +6,7 @@ statuses and output), e.g.
     torchrun --nproc-per-node=2 scripts/train.py hardware=cuda
 """
 
-from recpipe.train.cli import _unexpected, main  # noqa: F401 (_unexpected: tests/test_failures.py)
+from recpipe.train.cli import main
 
 if __name__ == "__main__":
     main()

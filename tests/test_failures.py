@@ -90,17 +90,11 @@ def test_the_final_evaluation_failing_keeps_the_final_checkpoint_and_prints_one_
     assert (run / "checkpoint" / "latest").read_text() == "20"  # saved before the evaluation
 
 
-def _script() -> dict:
-    """scripts/train.py's functions (run as a module, not as __main__: nothing runs)."""
-    import runpy
-
-    return runpy.run_path(SCRIPT, run_name="train_script")
-
-
 def test_recpipe_traceback_prints_the_traceback_instead_of_writing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    unexpected = _script()["_unexpected"]
+    from recpipe.train.cli import _unexpected as unexpected
+
     try:
         raise ValueError("bad\nsecond line")
     except ValueError as e:
