@@ -73,36 +73,68 @@ def _rank_pid(parent: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {parent}")
 
 
-def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
+LAUNCHER = [sys.executable, "-m", "recpipe.train.torchrun", "--standalone", "--nproc-per-node=2"]
+
+
+def _launch(ck: Path, tmp_path: Path, steps: int = 5000) -> tuple[subprocess.Popen, list[str]]:
+    """recpipe-torchrun with 2 ranks, in its own session, once rank 0 has printed its run dir."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", SCRIPT,
-         *SYNTHETIC, "trainer.steps=5000", "trainer.log_interval=10", "trainer.eval=false",
-         f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"],
+        [*LAUNCHER, SCRIPT, *SYNTHETIC, f"trainer.steps={steps}", "trainer.log_interval=10",
+         "trainer.eval=false", f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        start_new_session=True,
     )
     seen = []
     for line in p.stdout:
         seen.append(line)
         if line.startswith("run dir: "):
-            break
-    else:
-        raise AssertionError("".join(seen))
-    time.sleep(0.5)
-    os.kill(_rank_pid(p.pid, 1), signal.SIGTERM)  # rank 1 only: rank 0 must stop with it
-    output = "".join(seen) + p.communicate(timeout=120)[0]
-    ours = [x for x in output.splitlines() if x.startswith("interrupted")]
-    assert len(ours) == 1, output
-    step = int(re.match(r"interrupted \(SIGTERM\) after step (\d+): checkpoint ", ours[0])[1])
-    launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2"
-    assert f"resume with: {launcher} {SCRIPT} " in ours[0]
-    for ours_dir in ("scripts", "pipeline"):  # no traceback through our code, on any rank
-        assert f'File "{ROOT / ours_dir}' not in output, output
-    assert f"  traceback : {ours[0]}" in output.splitlines(), output  # torchrun's report: ours
+            return p, seen
+    raise AssertionError("".join(seen))
+
+
+def _stopped(output: str, signame: str, ck: Path) -> tuple[int, list[str]]:
+    """The step a 2-rank run stopped at, which both ranks saved, and its resume command: the
+    last line of ``output``, after progress lines only."""
+    *before, last = output.splitlines()
+    m = re.fullmatch(rf"interrupted \({signame}\) after step (\d+): checkpoint \S+; resume with: (.+)", last)
+    assert m and all(x.startswith(("run dir: ", "step ")) for x in before), output  # no report
+    step = int(m[1])
     d = ck / f"step_{step}"
     assert (ck / "latest").read_text() == str(step) and _sums_ok(d)
     assert {"__0_0.distcp", "__1_0.distcp"} <= {x.name for x in d.iterdir()}  # both ranks saved
     assert json.loads((d / "meta.json").read_text())["world_size"] == 2
+    return step, shlex.split(m[2])
+
+
+def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> None:
+    """Rank 1 alone gets SIGTERM: both ranks save one step; recpipe-torchrun ends with rank 0's
+    line and 143."""
+    ck = tmp_path / "ck"
+    p, seen = _launch(ck, tmp_path)
+    time.sleep(0.5)
+    os.kill(_rank_pid(p.pid, 1), signal.SIGTERM)
+    output = "".join(seen) + p.communicate(timeout=120)[0]
+    assert p.returncode == 143, output
+    _, command = _stopped(output, "SIGTERM", ck)
+    assert command[:len(LAUNCHER) + 1] == [*LAUNCHER, SCRIPT] and command[-1] == "trainer.resume=true"
+
+
+def test_torchrun_ctrl_c_saves_exits_130_and_its_resume_command_runs(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group: the launcher and both ranks) under
+    recpipe-torchrun: one line, exit 130, and the printed command resumes the run."""
+    ck = tmp_path / "ck"
+    p, seen = _launch(ck, tmp_path)
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    output = "".join(seen) + p.communicate(timeout=120)[0]
+    assert p.returncode == 130, output
+    step, command = _stopped(output, "SIGINT", ck)
+    command[command.index("trainer.steps=5000")] = f"trainer.steps={step + 2}"
+    r = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr.splitlines()[-1].startswith("done: "), r.stderr
+    lines = ("resumed from ", "run dir: ", "step ", "done: ")  # no library's warning
+    assert all(x.startswith(lines) for x in r.stderr.splitlines()), r.stderr
+    assert (ck / "latest").read_text() == str(step + 2)
 
 
 # refused: one line, exit status 1, `latest` as it was (every case in-process: test_checkpoint)

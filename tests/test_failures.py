@@ -1,7 +1,8 @@
 """When a run fails: a failing evaluation keeps the training (the last step is saved before its
 evaluation; at world size 1 any failure after a step saves that step), an unexpected exception
 is one ``error:`` line naming the log file with its traceback, a config error loads no torch,
-and under torchrun the report torchrun prints names our error."""
+and under torchrun recpipe-torchrun ends with our line and the failing rank's status (plain
+torchrun's report names our line as the root cause)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 from test_train import ROOT, SYNTHETIC, _rows, config, gloo, losses  # noqa: F401 (gloo: a fixture)
 
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 from recpipe.train import trainer
+from recpipe.train.torchrun import _root
 from recpipe.train.trainer import RunFailed, train
 
 SCRIPT = str(ROOT / "scripts/train.py")
@@ -121,20 +125,50 @@ def test_a_config_error_loads_no_torch(tmp_path: Path) -> None:
     assert [m for m in imported if m.split(".")[0] in ("torch", "torchrec", "fbgemm_gpu")] == []
 
 
-def test_torchrun_reports_our_error_as_the_root_cause(tmp_path: Path) -> None:
-    """torchrun always adds its failure report (exit 1): our line is in it, not a link to its
-    docs; no traceback goes through our code."""
+@pytest.mark.parametrize("launcher", ["recpipe.train.torchrun", "torch.distributed.run"])
+def test_torchrun_ends_with_our_error(tmp_path: Path, launcher: str) -> None:
+    """recpipe-torchrun prints our line alone, with the rank's status; plain torchrun adds its
+    report (exit 1), where our line is the root cause, not a link to its docs. No traceback
+    goes through our code."""
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         SCRIPT, "trainer.steps=0"],
+        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node=2", SCRIPT, "trainer.steps=0"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    output = r.stdout + r.stderr
+    output, line = r.stdout + r.stderr, "error: trainer.steps=0: must be > 0"
     assert r.returncode == 1, output
-    assert "  traceback : error: trainer.steps=0: must be > 0" in output.splitlines(), output
-    assert "To enable traceback" not in output
+    if launcher == "recpipe.train.torchrun":
+        assert output.splitlines() == [line], output
+    else:
+        assert f"  traceback : {line}" in output.splitlines() and "To enable traceback" not in output
     assert f'File "{ROOT / "scripts"}' not in output and f'File "{ROOT / "train"}' not in output
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, line: str | None, timestamp: int) -> ProcessFailure:
+    """torchrun's record of a rank that ended with ``line`` in its error file (None: no file),
+    having chosen exit status ``exitcode``."""
+    path = tmp_path / f"error{rank}.json"
+    if line is not None:
+        info = {"timestamp": str(timestamp), "status": exitcode}
+        path.write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
+        exitcode = -15  # torchrun killed it as it exited
+    failure = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+    failure.timestamp = timestamp
+    return failure
+
+
+@pytest.mark.parametrize("case, status, printed", [
+    ({0: (1, "error: bad"), 1: (1, "error: bad")}, 1, None),  # rank 0 printed it
+    ({1: (143, "interrupted (SIGTERM) after step 3: ...")}, 143,
+     "interrupted (SIGTERM) after step 3: ... (rank 1)"),
+    ({0: (1, "error: RuntimeError: Connection closed by peer"), 1: (-9, None)}, 137,
+     "error: rank 1 was killed by SIGKILL"),  # the root cause, not what it caused
+    ({2: (-11, None), 3: (-9, None)}, 139, "error: rank 2 was killed by SIGSEGV"),  # the earliest
+    ({1: (2, None)}, 2, "error: rank 1 exited with status 2 (its output is above)"),
+])
+def test_recpipe_torchrun_reports_the_root_failure(tmp_path: Path, case: dict, status: int, printed: str | None) -> None:
+    failures = {r: _failure(tmp_path, r, code, line, timestamp=r) for r, (code, line) in case.items()}
+    assert _root(failures) == (status, printed)
 
 
 def test_the_data_source_failing_mid_run_saves_the_last_step_and_the_resume_logs_the_same_rows(

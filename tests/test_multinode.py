@@ -22,7 +22,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 def _torchrun(*launch: str, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *launch,
+        [sys.executable, "-m", "recpipe.train.torchrun", *launch,
          str(ROOT / "scripts/train.py"), *RUN, f"output_dir={out}"],
         cwd=out.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

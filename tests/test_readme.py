@@ -19,7 +19,7 @@ ELSEWHERE = {
     "bash scripts/setup_venv.sh": ".ci/run (scripts/test.sh runs it first)",
     "bash scripts/test.sh": ".ci/run",
     ".venv/bin/python examples/swap_pipeline.py": "tests/test_examples.py",
-    ".venv/bin/torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --rdzv-backend=c10d "
+    ".venv/bin/recpipe-torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --rdzv-backend=c10d "
     "--rdzv-endpoint=HOST:PORT scripts/train.py": "tests/test_multinode.py (two such nodes)",
 }
 
@@ -36,7 +36,7 @@ def test_every_readme_command_is_run_somewhere() -> None:
     commands = readme_commands()
     assert ".venv/bin/python scripts/train.py" in commands
     here = {c for c in commands if c.startswith((".venv/bin/python scripts/train.py",
-                                                 ".venv/bin/torchrun --standalone"))}
+                                                 ".venv/bin/recpipe-torchrun --standalone"))}
     assert set(commands) - here - set(ELSEWHERE) == set(), "a README command without a test"
 
 

@@ -5,7 +5,7 @@ source checkout, ``python scripts/train.py`` run :func:`main`:
     recpipe-train                                              # 1 CPU process (gloo), ~15 s
     recpipe-train pipeline=torchrec trainer.steps=100
     recpipe-train trainer.resume=true trainer.checkpoint_dir=DIR    # continue a run
-    torchrun --nproc-per-node=2 -m recpipe.train hardware=cuda
+    recpipe-torchrun --standalone --nproc-per-node=2 -m recpipe.train hardware=cuda
     recpipe-train -m pipeline=torchrec,recpipe                 # a sweep (Hydra multirun)
 
 Configs: the ``recpipe`` package's ``configs/`` (:data:`CONFIGS`: the checkout's top-level
@@ -27,13 +27,14 @@ Exit status and what is printed (rank 0, on stderr):
 
 The resume command repeats how this run was started (:func:`_program`): ``python -m
 recpipe.train``, the ``recpipe-train`` script, or ``python scripts/train.py``, with this
-environment's interpreter (under torchrun: ``python -m torch.distributed.run``).
+environment's interpreter (under torchrun: ``python -m recpipe.train.torchrun``, or ``python -m
+torch.distributed.run`` for plain torchrun).
 
 Under torchrun each rank exits with these statuses and writes its line into torchrun's error
-file (``TORCHELASTIC_ERROR_FILE``), which torchrun's failure report shows as the root cause.
-torchrun itself exits 1 whenever a rank fails or it gets a signal, and prints its own report
-(ChildFailedError, or for a signal sent to torchrun its SignalException traceback) after our
-line; a worker cannot change either.
+file (``TORCHELASTIC_ERROR_FILE``). ``recpipe-torchrun`` (recpipe.train.torchrun) ends with that
+line and the rank's status; plain torchrun exits 1 whenever a rank fails or it gets a signal and
+prints its own report (ChildFailedError, or for a signal sent to torchrun its SignalException
+traceback) after our line, which it names as the root cause.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recpipe.train.config import UsageError, composition_error, register, validate
+from recpipe.train.torchrun import LAUNCHER_ENV
 
 if TYPE_CHECKING:  # torch loads in 3 s: imported once the config is valid
     import torch
@@ -63,12 +65,17 @@ log = logging.getLogger("recpipe")
 #: set to 1: an unexpected exception's traceback on stderr, not in a file
 TRACEBACK_ENV = "RECPIPE_TRACEBACK"
 
-#: FutureWarnings about torchrec 1.8's internals (its planner's defaults, its DDP arguments, the
-#: ShardedTensors DCP loads), printed on every run: (module, message)
+#: warnings about the libraries' internals, printed on every run (module, message, category):
+#: torchrec 1.8's planner defaults, its DDP arguments, the ShardedTensors DCP loads; torchmetrics
+#: indexing with a list when it gathers a metric state of unequal sizes over ranks (a resumed
+#: run's AUC window), which torch 2.14 deprecates
 KNOWN_WARNINGS = (
-    (r"torchrec\.distributed\.planner\.planners", "HeuristicalStorageReservation is known"),
-    (r"torchrec\.distributed\.model_parallel", "`broadcast_buffers` is deprecated"),
-    (r"torch\.distributed\.checkpoint\.", "Please use DTensor instead and we are deprecating ShardedTensor"),
+    (r"torchrec\.distributed\.planner\.planners", "HeuristicalStorageReservation is known", FutureWarning),
+    (r"torchrec\.distributed\.model_parallel", "`broadcast_buffers` is deprecated", FutureWarning),
+    (r"torch\.distributed\.checkpoint\.", "Please use DTensor instead and we are deprecating ShardedTensor",
+     FutureWarning),
+    (r"torchmetrics\.utilities\.distributed", "Using a non-tuple sequence for multidimensional indexing",
+     UserWarning),
 )
 
 
@@ -85,8 +92,8 @@ def _console(rank: int) -> None:
         if isinstance(logger, logging.Logger) and (name + ".").startswith("recpipe."):
             logger.disabled = False
     log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    for module, message in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+    for module, message, category in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def _quiet_torch() -> None:
@@ -150,10 +157,10 @@ def _resume_command(checkpoint_dir: str) -> str:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         console = program[0] != "-m" and os.path.basename(program[0]) == CONSOLE_SCRIPT
         launcher = "" if console else python  # the console script names its interpreter
-    elif world == local:  # one node: --standalone rendezvous again
-        launcher = f"{python} -m torch.distributed.run --standalone --nproc-per-node={local}"
     else:
-        launcher = f"{python} -m torch.distributed.run [the same options]"
+        module = "recpipe.train.torchrun" if LAUNCHER_ENV in os.environ else "torch.distributed.run"
+        options = f"--standalone --nproc-per-node={local}" if world == local else "[the same options]"
+        launcher = f"{python} -m {module} {options}"  # one node: --standalone rendezvous again
     args = [*program, *overrides, f"trainer.checkpoint_dir={checkpoint_dir}", "trainer.resume=true"]
     return f"{launcher} {shlex.join(args)}".lstrip()
 
@@ -163,8 +170,9 @@ def _end(status: int, line: str) -> NoReturn:
     torchrun every rank writes it into its error file, whose message torchrun's failure report
     shows (instead of a link to torchrun's docs)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:  # the format torchrun's own @record writes: its report shows py_callstack
-        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    if path:  # the format torchrun's own @record writes (its report shows py_callstack), and
+        # the status, which recpipe-torchrun exits with (torchrun may kill this rank while it exits)
+        info = {"py_callstack": line, "timestamp": str(int(time.time())), "status": status}
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
     if _rank() == 0:

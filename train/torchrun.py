@@ -1,0 +1,102 @@
+"""``recpipe-torchrun`` / ``python -m recpipe.train.torchrun``: torchrun (``torch.distributed.run``,
+the same options) that ends as the one-process training command does:
+
+    recpipe-torchrun --standalone --nproc-per-node=2 -m recpipe.train trainer.steps=100
+
+- a rank's ``error: ...`` or ``interrupted ...`` line (rank 0 prints it; another rank's comes
+  from its error file, ending ``(rank R)``) is the last line, with no torchrun report or
+  traceback after it;
+- the exit status is the failing rank's (1, 130, 143; 128 + N for a rank killed by signal N),
+  or 128 + N when torchrun itself gets signal N (SIGINT, SIGTERM: it passes the signal to the
+  ranks, which save and print how to resume, with this launcher).
+
+Plain torchrun runs the same job; it exits 1 on every failure and prints its own report after
+our line. ``LOGLEVEL``, if set, keeps torchrun's own log lines (they are off here otherwise).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads in 3 s: imported by main()
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+#: set for the ranks: how the training command names this launcher in a resume command
+LAUNCHER_ENV = "RECPIPE_LAUNCHER"
+
+
+def _quiet_elastic() -> None:
+    """torchrun's agent logs each failure and signal (its ``LOGLEVEL``, default WARNING): off,
+    unless ``LOGLEVEL`` is set. Its start-up warnings (``OMP_NUM_THREADS``) stay."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and name.startswith("torch.distributed.elastic"):
+            logger.setLevel(logging.CRITICAL)
+
+
+def _line(failure: ProcessFailure) -> str | None:
+    """The line a rank ended with (the training command writes it into torchrun's error file),
+    or None: the rank died without one (a signal, a crash)."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return message if message.startswith(("error:", "interrupted")) else None
+
+
+def _status(failure: ProcessFailure) -> int:
+    """The exit status a rank chose (``status`` in its error file: torchrun may kill it while it
+    exits), else the one it had, as a shell shows it (128 + N: killed by signal N)."""
+    message = failure.message
+    chosen = message.get("extraInfo", {}).get("status") if isinstance(message, dict) else None
+    if chosen is not None:
+        return int(chosen)
+    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
+
+
+def _silent_line(rank: int, exitcode: int) -> str:
+    """The line for ``rank``, which died without one."""
+    if exitcode < 0:
+        return f"error: rank {rank} was killed by {signal.Signals(-exitcode).name}"
+    return f"error: rank {rank} exited with status {exitcode} (its output is above)"
+
+
+def _root(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
+    """The exit status and the line to print (None: rank 0 printed it) for the root failure: a
+    rank that died without a line first (the others' lines are about losing it: gloo's
+    "connection closed by peer"), then rank 0, then the earliest."""
+    silent = [r for r, f in failures.items() if _line(f) is None]
+    if silent:
+        rank = min(silent, key=lambda r: failures[r].timestamp)
+        return _status(failures[rank]), _silent_line(rank, failures[rank].exitcode)
+    if 0 in failures:
+        return _status(failures[0]), None
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    return _status(failures[rank]), f"{_line(failures[rank])} (rank {rank})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run torchrun with ``argv`` (default ``sys.argv[1:]``); end with one line and the status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ[LAUNCHER_ENV] = "1"
+    _quiet_elastic()
+    try:
+        torchrun.run(args)
+    except SignalException as e:  # the ranks got it too: they printed and saved
+        raise SystemExit(128 + int(e.sigval)) from None
+    except ChildFailedError as e:
+        status, line = _root(e.failures)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(status) from None
+
+
+if __name__ == "__main__":
+    main()
