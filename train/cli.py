@@ -186,9 +186,15 @@ def _unexpected(exc: BaseException, directory: str, checkpoint: tuple[str, str] 
     (step directory, checkpoint directory), how to resume."""
     what = (str(exc).strip().splitlines() or [""])[0][:300]
     where = _keep_traceback("".join(traceback.format_exception(exc)), directory)
-    resume = (f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1])}"
-              if checkpoint else "")
-    return f"error: {type(exc).__name__}{': ' * bool(what)}{what} ({where}){resume}"
+    return f"error: {type(exc).__name__}{': ' * bool(what)}{what} ({where}){_resume_hint(checkpoint)}"
+
+
+def _resume_hint(checkpoint: tuple[str, str] | None) -> str:
+    """``; the last checkpoint is ..., resume with: ...`` for ``checkpoint`` (step directory,
+    checkpoint directory), or nothing."""
+    if checkpoint is None:
+        return ""
+    return f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1])}"
 
 
 def _keep_traceback(text: str, directory: str) -> str:
@@ -247,7 +253,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     try:
         _run(dcfg)
     except UsageError as e:
-        _end(1, f"error: {e}")
+        _end(1, f"error: {e}{_resume_hint(e.checkpoint)}")
     except KeyboardInterrupt:
         _end(130, "interrupted before training started: nothing saved")
     except Exception as e:  # outside training (the process group...): as RunFailed

@@ -23,9 +23,12 @@ MAX_LR = 100.0  # above this every optimizer offered diverges on every model her
 
 
 class UsageError(Exception):
-    """Something the user can fix (a config value, a checkpoint directory): the message is one
-    line saying what is wrong and what to do. ``scripts/train.py`` prints it without a
-    traceback and exits non-zero."""
+    """Something the user can fix (a config value, a checkpoint directory, a data file): the
+    message is one line saying what is wrong and what to do. ``scripts/train.py`` prints it
+    without a traceback and exits non-zero, naming ``checkpoint`` (step directory, checkpoint
+    directory) to resume from where the trainer set it (a data file failing mid-run)."""
+
+    checkpoint: tuple[str, str] | None = None
 
 
 @dataclass

@@ -65,17 +65,26 @@ def _silent_line(rank: int, exitcode: int) -> str:
 
 
 def _root(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
-    """The exit status and the line to print (None: rank 0 printed it) for the root failure: a
-    rank that died without a line first (the others' lines are about losing it: gloo's
-    "connection closed by peer"), then rank 0, then the earliest."""
-    silent = [r for r, f in failures.items() if _line(f) is None]
-    if silent:
-        rank = min(silent, key=lambda r: failures[r].timestamp)
-        return _status(failures[rank]), _silent_line(rank, failures[rank].exitcode)
-    if 0 in failures:
-        return _status(failures[0]), None
-    rank = min(failures, key=lambda r: failures[r].timestamp)
-    return _status(failures[rank]), f"{_line(failures[rank])} (rank {rank})"
+    """The exit status and the line to print (None: rank 0 printed it) for the root failure.
+    First a rank that died without a line, killed by a signal other than SIGTERM or crashed (the
+    others' lines are about losing it: gloo's "connection closed by peer"); then rank 0's line,
+    then the earliest line; last a rank killed by SIGTERM without one (torchrun stops the other
+    ranks so once one fails, and a rank's own SIGTERM handler prints a line)."""
+    def order(rank: int) -> tuple[int, int]:
+        failure = failures[rank]
+        if _line(failure) is None:
+            return (3 if failure.exitcode == -signal.SIGTERM else 0), failure.timestamp
+        return (1 if rank == 0 else 2), failure.timestamp
+
+    rank = min(failures, key=order)
+    failure, line = failures[rank], _line(failures[rank])
+    if line is None:
+        line = _silent_line(rank, failure.exitcode)
+    elif rank == 0:
+        line = None
+    else:
+        line = f"{line} (rank {rank})"
+    return _status(failure), line
 
 
 def main(argv: list[str] | None = None) -> None:

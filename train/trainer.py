@@ -120,7 +120,11 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
                 log.info("run dir: %s  (world size %d: %s, %s)", out, dist.get_world_size(),
                          trainer.layout, device)
             return trainer.run(out, ckpt if t.checkpoint else None)
-    except (UsageError, TrainingInterrupted):
+    except TrainingInterrupted:
+        raise
+    except UsageError as e:
+        if trainer is not None and trainer.data_failed:  # a data file to fix: the steps are saved
+            e.checkpoint = trainer.resumable()
         raise
     except Exception as e:
         raise RunFailed(out, trainer and trainer.resumable()) from e
@@ -251,6 +255,7 @@ class _Trainer:
         self.cfg, self.device, self.signals = cfg, device, signals
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = node_layout(self.world)
+        self.data_failed = False  # the data source raised (:meth:`_watched`)
         t = cfg.trainer
         self.source: DataSource = make_source(cfg)
         allreduce = cfg.pipeline.dense_allreduce
@@ -301,7 +306,6 @@ class _Trainer:
                 f.writelines(json.dumps(r) + "\n" for r in self.history)
         stop = min(t.steps, t.stop_after or t.steps)
         pipeline = PIPELINES[self.cfg.pipeline.name](self.model, self.optimizer, self.device)
-        self.data_failed = False
         it = self._watched(self.source.train_batches(self.rank, self.world, self.start, stop))
         rows, final_eval = [], None
         progress = _Progress(self.rank, t.steps, self.start, self.cfg.pipeline.name)
@@ -368,17 +372,17 @@ class _Trainer:
         """The block runs after ``step`` was trained (logging, deciding, saving, evaluating; or,
         with ``data_only``, the next step, whose pipeline reads the next batches before it
         changes the model). At world size 1 an unexpected exception in it (with ``data_only``:
-        one the data source raised) first saves ``step`` (a failed save is tried once more),
-        so the run resumes from there. At world size > 1 it saves nothing: one rank cannot
-        know that the others will join the save's collectives; the last checkpoint saved
-        stays. Errors the user can fix, a non-finite loss among them, and interruptions pass
-        as they are."""
+        one the data source raised, a :class:`~.config.UsageError` for a bad file among them)
+        first saves ``step``, so the run resumes from there. At world size > 1 it saves
+        nothing: one rank cannot know that the others will join the save's collectives; the
+        last checkpoint saved stays. Other errors the user can fix, a non-finite loss among
+        them, and interruptions pass as they are."""
         try:
             yield
-        except (UsageError, TrainingInterrupted):
+        except (NonFiniteError, TrainingInterrupted):
             raise
-        except Exception:
-            if data_only and not self.data_failed:
+        except Exception as e:
+            if not self.data_failed and (data_only or isinstance(e, UsageError)):
                 raise  # the model may be part-way through the step: the last save stays
             if self.ckpt is not None and self.world == 1 and step != self.saved:
                 try:  # RunFailed names the checkpoint
