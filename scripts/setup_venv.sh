@@ -19,6 +19,13 @@ stamp=$venv/.recpipe-ready
 want="v2 $(sha1sum scripts/setup_venv.sh pyproject.toml | sha1sum | cut -c1-12)"
 prepare_data() { [ "$venv" != .venv ] || .venv/bin/python -m recpipe.train.prepare_movielens; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then prepare_data; exit 0; fi
+# torch 2.14's only wheel here is a CUDA build: 5.5 GB, plus pip's unpacking
+need_gb=$([ "$stack" = 1.9 ] && echo 8 || echo 3)
+free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+if [ "$free_gb" -lt "$need_gb" ]; then
+  echo "error: setup_venv.sh: $venv needs about $need_gb GB free here, $(pwd) has $free_gb GB: free some space (old clones, venvs, ~/.cache/pip) and run it again" >&2
+  exit 1
+fi
 python3 -m venv "$venv"
 # pip's notes on this machine's local package mirror are noise
 pip() { "$venv/bin/python" -m pip -q --disable-pip-version-check "$@" 2>&1 \
