@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from dist_utils import run_ranks
 from test_train import ROOT, SYNTHETIC, _rows, config, gloo, losses  # noqa: F401 (gloo: a fixture)
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -174,34 +176,56 @@ def test_recpipe_torchrun_reports_the_root_failure(tmp_path: Path, case: dict, s
     assert _root(failures) == (status, printed)
 
 
-@pytest.mark.parametrize("error", [OSError("the disk went away"),
-                                   UsageError("day_0.tsv line 9: 38 columns, Criteo's have 40")])
-def test_the_data_source_failing_mid_run_saves_the_last_step_and_the_resume_logs_the_same_rows(
-    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
-) -> None:
-    """At world size 1: the source raises (an unexpected error, or a bad file the user can fix)
-    when the pipeline reads batch 9 (two steps ahead of the model); the steps trained before
-    are saved, and the resumed run logs the rows of a run that never failed."""
+def _failing_then_resumed(rank: int, world: int, device: torch.device, tmp: str, error: Exception,
+                          failing: int) -> tuple:
+    """Rank ``failing``'s source raises ``error`` as the pipeline reads batch 9 (two steps ahead
+    of the model); then the run is resumed, and run once more without failing. Returns what
+    this rank raised (its type, its message or its cause's, its checkpoint), the resumed run's
+    log steps, and whether its metrics.jsonl rows are the uninterrupted run's (rank 0)."""
     from recpipe.train.data import SyntheticSource
 
     batches = SyntheticSource.train_batches
 
-    def failing(self, rank, world, start, stop):
-        for step, batch in zip(range(start, stop), batches(self, rank, world, start, stop)):
-            if step == 9:
+    def failing_source(self, r, w, start, stop):
+        for step, batch in zip(range(start, stop), batches(self, r, w, start, stop)):
+            if step == 9 and r == failing:
                 raise error
             yield batch
 
-    monkeypatch.setattr(SyntheticSource, "train_batches", failing)
-    ck = tmp_path / "ck"
-    common = ("trainer.steps=12", "trainer.log_interval=5", f"trainer.checkpoint_dir={ck}")
-    with pytest.raises((RunFailed, UsageError)) as e:
-        train(config(*common), gloo, str(tmp_path / "a"))
-    assert (e.value.__cause__ if isinstance(e.value, RunFailed) else e.value) is error
-    assert e.value.checkpoint == (str(ck / "step_7"), str(ck))  # batches 0-6 trained
-    monkeypatch.undo()
-    rest = train(config(*common, "trainer.resume=true"), gloo, str(tmp_path / "b"))
-    reference = train(config(*common[:2], "trainer.checkpoint=false"), gloo, str(tmp_path / "ref"))
-    assert [s for s, _, _ in losses(rest)] == [10, 12]
-    written = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert _rows(written) == _rows(reference)
+    common = ("trainer.steps=12", "trainer.log_interval=5", f"trainer.checkpoint_dir={tmp}/ck")
+    SyntheticSource.train_batches = failing_source
+    try:
+        train(config(*common), device, f"{tmp}/a")
+    except (RunFailed, UsageError) as e:
+        raised = (type(e).__name__, str(e.__cause__ if isinstance(e, RunFailed) else e), e.checkpoint)
+    finally:
+        SyntheticSource.train_batches = batches
+    rest = train(config(*common, "trainer.resume=true"), device, f"{tmp}/b")
+    reference = train(config(*common[:2], "trainer.checkpoint=false"), device, f"{tmp}/ref")
+    written = [json.loads(x) for x in Path(f"{tmp}/b/metrics.jsonl").read_text().splitlines()] if rank == 0 else []
+    return raised, [s for s, _, _ in losses(rest)], _rows(written) == _rows(reference)
+
+
+@pytest.mark.parametrize("error", [OSError("the disk went away"),
+                                   UsageError("day_0.tsv line 9: 38 columns, Criteo's have 40")])
+def test_the_data_source_failing_mid_run_saves_the_step_and_the_resume_logs_the_same_rows(
+    gloo, tmp_path: Path, error: Exception
+) -> None:
+    """World size 1: the source raises (an unexpected error, or a bad file the user can fix);
+    the pipeline ends the step it is in, which is saved and named, and the resumed run logs the
+    rows of a run that never failed."""
+    raised, steps, same_rows = _failing_then_resumed(0, 1, gloo, str(tmp_path), error, failing=0)
+    kind = "RunFailed" if isinstance(error, OSError) else "UsageError"
+    assert raised == (kind, str(error), (str(tmp_path / "ck/step_8"), str(tmp_path / "ck")))  # batches 0-7
+    assert steps == [10, 12] and same_rows
+
+
+def test_a_data_source_failing_on_one_rank_stops_both_after_one_saved_step(tmp_path: Path) -> None:
+    """World size 2, rank 1's source raises: both ranks save step 8 and stop; rank 0 says
+    why; the resumed run logs the rows of a run that never failed."""
+    error = OSError("the disk went away")
+    results = run_ranks(2, _failing_then_resumed, str(tmp_path), error, 1)
+    saved = (str(tmp_path / "ck/step_8"), str(tmp_path / "ck"))
+    assert results[1][0] == ("RunFailed", "the disk went away", saved)
+    assert results[0][0] == ("PeerDataError", "OSError: the disk went away (rank 1's data source)", saved)
+    assert results[0][1:] == ([10, 12], True)

@@ -10,9 +10,10 @@ Evaluation (``trainer.eval_interval`` and at the end) runs the source's held-out
 through the model taken off the pipeline (``detach``/``attach``): the training losses are the
 same with and without it. The last step is saved before its evaluation.
 
-Every rank takes the same decisions at the same step: at world size > 1 one all-reduce of three
+Every rank takes the same decisions at the same step: at world size > 1 one all-reduce of four
 flags per step on a gloo group (a SIGINT/SIGTERM on any rank, a checkpoint due on rank 0's clock,
-a non-finite loss at a log step), so that all ranks stop, save or fail together.
+a non-finite loss at a log step, a data source that raised), so that all ranks stop, save or
+fail together.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class NonFiniteError(UsageError):
     """The loss or the weights became NaN/inf; nothing of that state was checkpointed."""
 
 
+class PeerDataError(UsageError):
+    """Another rank's data source raised mid-run (its line is the message): every rank stopped
+    after the same step and saved it."""
+
+
 class RunFailed(Exception):
     """An unexpected exception (this one's ``__cause__``) ended the run on this rank.
     ``run_dir``: the run directory (None: the run failed before making it); ``checkpoint``: the
@@ -98,9 +104,12 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
     checkpoint's rows, so it holds the whole history once). Returns the rows this run logged
     (rank 0; empty elsewhere). Raises, on every rank, :class:`~.config.UsageError` (a refused
     checkpoint directory, a non-finite loss) and :class:`TrainingInterrupted` after a
-    SIGINT/SIGTERM (the step finished and saved); on the rank where it happened,
-    :class:`RunFailed` from any other exception (at world size 1 the last step completed is
-    saved first, :meth:`_Trainer._saved_on_failure`)."""
+    SIGINT/SIGTERM (the step finished and saved). A data source raising mid-run stops every
+    rank after the step the pipeline was in, saved (:meth:`_Trainer._watched`): the failing
+    rank raises its error (a UsageError's ``checkpoint`` names the save), the others
+    :class:`PeerDataError`. On the rank where it happened, :class:`RunFailed` from any other
+    exception (at world size 1 the last step completed is saved first,
+    :meth:`_Trainer._saved_on_failure`)."""
     out, trainer = None, None
     try:
         with ExitStack() as stack:
@@ -123,7 +132,7 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
     except TrainingInterrupted:
         raise
     except UsageError as e:
-        if trainer is not None and trainer.data_failed:  # a data file to fix: the steps are saved
+        if trainer is not None and trainer.data_failed:  # the steps trained are saved
             e.checkpoint = trainer.resumable()
         raise
     except Exception as e:
@@ -255,7 +264,8 @@ class _Trainer:
         self.cfg, self.device, self.signals = cfg, device, signals
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = node_layout(self.world)
-        self.data_failed = False  # the data source raised (:meth:`_watched`)
+        self.data_error: Exception | None = None  # what this rank's data source raised
+        self.data_failed = False  # some rank's data source raised: every rank stopped
         t = cfg.trainer
         self.source: DataSource = make_source(cfg)
         allreduce = cfg.pipeline.dense_allreduce
@@ -312,8 +322,10 @@ class _Trainer:
         self._clock = (time.perf_counter(), self.start)
         try:
             for step in range(self.start + 1, stop + 1):  # step: steps done after this one
-                with self._saved_on_failure(step - 1, data_only=True):
+                try:
                     self.window.add(*pipeline.progress(it))
+                except StopIteration:  # nothing left to train: the source failed filling it
+                    raise self.data_error or RuntimeError("the data ended early") from None
                 progress.step()
                 with self._saved_on_failure(step):
                     final_eval = self._after_step(step, stop, pipeline, rows, progress) or final_eval
@@ -342,7 +354,11 @@ class _Trainer:
         bad = None
         if step % t.log_interval == 0 or step == t.steps:  # not at stop_after: as uninterrupted
             bad = self._log(step, rows, progress)
-        interrupted, due = self._decide(step, bad)
+        interrupted, due, data_failed = self._decide(step, bad)
+        if data_failed:  # a data source raised: every rank saves this step and stops
+            if self.ckpt is not None:
+                self._save(step)
+            raise self._stop_for_data()
         save = self.ckpt is not None and (due or interrupted or step == stop)
         last = step == t.steps
         if save and last:
@@ -360,30 +376,40 @@ class _Trainer:
         return row
 
     def _watched(self, batches: Iterator) -> Iterator:
-        """``batches``, noting in ``data_failed`` that the data source raised."""
+        """``batches``, ending where the data source raises, which is kept in ``data_error``:
+        the pipeline finishes the step it is in (it reads ahead, before it changes the model),
+        and :meth:`_after_step` then stops every rank after that step, saved."""
         try:
             yield from batches
-        except Exception:
-            self.data_failed = True
-            raise
+        except Exception as e:
+            self.data_error = e
+
+    def _stop_for_data(self) -> Exception:
+        """Every rank, once some rank's data source failed (:meth:`_watched`) and the step is
+        saved: the exception that ends this rank: its own, or the first failing rank's line."""
+        self.data_failed = True
+        mine = self.data_error
+        lines = [_error_line(mine) if mine else None]
+        if self.control is not None:
+            lines = [None] * self.world
+            dist.all_gather_object(lines, _error_line(mine) if mine else None, group=self.control)
+        if mine is not None:
+            return mine
+        rank = next(r for r, line in enumerate(lines) if line)
+        return PeerDataError(f"{lines[rank]} (rank {rank}'s data source)")
 
     @contextmanager
-    def _saved_on_failure(self, step: int, data_only: bool = False) -> Iterator[None]:
-        """The block runs after ``step`` was trained (logging, deciding, saving, evaluating; or,
-        with ``data_only``, the next step, whose pipeline reads the next batches before it
-        changes the model). At world size 1 an unexpected exception in it (with ``data_only``:
-        one the data source raised, a :class:`~.config.UsageError` for a bad file among them)
-        first saves ``step``, so the run resumes from there. At world size > 1 it saves
-        nothing: one rank cannot know that the others will join the save's collectives; the
-        last checkpoint saved stays. Other errors the user can fix, a non-finite loss among
-        them, and interruptions pass as they are."""
+    def _saved_on_failure(self, step: int) -> Iterator[None]:
+        """The block runs after ``step`` was trained (logging, deciding, saving, evaluating). At
+        world size 1 an unexpected exception in it first saves ``step``, so the run resumes from
+        there. At world size > 1 it saves nothing: one rank cannot know that the others will
+        join the save's collectives; the last checkpoint saved stays. Errors the user can fix, a
+        non-finite loss among them, and interruptions pass as they are."""
         try:
             yield
-        except (NonFiniteError, TrainingInterrupted):
+        except (UsageError, TrainingInterrupted):
             raise
-        except Exception as e:
-            if not self.data_failed and (data_only or isinstance(e, UsageError)):
-                raise  # the model may be part-way through the step: the last save stays
+        except Exception:
             if self.ckpt is not None and self.world == 1 and step != self.saved:
                 try:  # RunFailed names the checkpoint
                     self._save(step)
@@ -416,22 +442,23 @@ class _Trainer:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def _decide(self, step: int, bad: torch.Tensor | None) -> tuple[int, bool]:
-        """``(signal to stop on or 0, checkpoint due)``, the same on every rank; raises
+    def _decide(self, step: int, bad: torch.Tensor | None) -> tuple[int, bool, bool]:
+        """``(signal to stop on or 0, checkpoint due, some data source failed)``, the same on
+        every rank; raises
         NonFiniteError on every rank if any rank's losses were not finite (``bad``: this
         rank's losses since the last log if one is not)."""
         t = self.cfg.trainer
         due = bool(t.checkpoint_interval and step % t.checkpoint_interval == 0)
         if self.rank == 0 and t.checkpoint_minutes:
             due |= time.monotonic() - self.last_save >= t.checkpoint_minutes * 60
-        flags = [self.signals.signum, int(due), int(bad is not None)]
+        flags = [self.signals.signum, int(due), int(bad is not None), int(self.data_error is not None)]
         if self.control is not None:
             x = torch.tensor(flags, dtype=torch.int64)
             dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.control)
             flags = x.tolist()
         if flags[2]:
             self._fail_nonfinite(step, bad)
-        return flags[0], bool(flags[1])
+        return flags[0], bool(flags[1]), bool(flags[3])
 
     def _fail_nonfinite(self, step: int, losses: torch.Tensor | None) -> None:
         """Every rank: raise NonFiniteError naming the first step (over ranks) whose loss was not
@@ -510,6 +537,13 @@ class _Trainer:
             first, last = train_rows[0], train_rows[-1]
             log.info("done: loss %.4f -> %.4f, auc %.3f, %.0f samples/s", first["loss"],
                      last["loss"], last["auc"], last["samples_per_s"])
+
+
+def _error_line(e: Exception) -> str:
+    """``e`` in one line: a usage error's message, else its type and first line."""
+    if isinstance(e, UsageError):
+        return str(e)
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _local_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
