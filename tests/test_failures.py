@@ -177,14 +177,15 @@ def test_recpipe_torchrun_reports_the_root_failure(tmp_path: Path, case: dict, s
 
 
 def _failing_then_resumed(rank: int, world: int, device: torch.device, tmp: str, error: Exception,
-                          failing: int) -> tuple:
-    """Rank ``failing``'s source raises ``error`` as the pipeline reads batch 9 (two steps ahead
-    of the model); then the run is resumed, and run once more without failing. Returns what
-    this rank raised (its type, its message or its cause's, its checkpoint), the resumed run's
-    log steps, and whether its metrics.jsonl rows are the uninterrupted run's (rank 0)."""
+                          failing: int, where: str = "data") -> tuple:
+    """On rank ``failing``, ``error`` is raised by the source as the pipeline reads batch 9
+    (two steps ahead of the model), or (``where="log"``) by the metrics log of step 10; then
+    the run is resumed, and run once more without failing. Returns what this rank raised (its
+    type, its message or its cause's, its checkpoint), the resumed run's log steps, and
+    whether its metrics.jsonl rows are the uninterrupted run's (rank 0)."""
     from recpipe.train.data import SyntheticSource
 
-    batches = SyntheticSource.train_batches
+    batches, record = SyntheticSource.train_batches, trainer._Trainer._record
 
     def failing_source(self, r, w, start, stop):
         for step, batch in zip(range(start, stop), batches(self, r, w, start, stop)):
@@ -192,14 +193,22 @@ def _failing_then_resumed(rank: int, world: int, device: torch.device, tmp: str,
                 raise error
             yield batch
 
+    def failing_record(self, row, rows):
+        record(self, row, rows)
+        if row["step"] == 10 and self.rank == failing:
+            raise error
+
     common = ("trainer.steps=12", "trainer.log_interval=5", f"trainer.checkpoint_dir={tmp}/ck")
-    SyntheticSource.train_batches = failing_source
+    if where == "data":
+        SyntheticSource.train_batches = failing_source
+    else:
+        trainer._Trainer._record = failing_record
     try:
         train(config(*common), device, f"{tmp}/a")
     except (RunFailed, UsageError) as e:
         raised = (type(e).__name__, str(e.__cause__ if isinstance(e, RunFailed) else e), e.checkpoint)
     finally:
-        SyntheticSource.train_batches = batches
+        SyntheticSource.train_batches, trainer._Trainer._record = batches, record
     rest = train(config(*common, "trainer.resume=true"), device, f"{tmp}/b")
     reference = train(config(*common[:2], "trainer.checkpoint=false"), device, f"{tmp}/ref")
     written = [json.loads(x) for x in Path(f"{tmp}/b/metrics.jsonl").read_text().splitlines()] if rank == 0 else []
@@ -220,12 +229,16 @@ def test_the_data_source_failing_mid_run_saves_the_step_and_the_resume_logs_the_
     assert steps == [10, 12] and same_rows
 
 
-def test_a_data_source_failing_on_one_rank_stops_both_after_one_saved_step(tmp_path: Path) -> None:
-    """World size 2, rank 1's source raises: both ranks save step 8 and stop; rank 0 says
-    why; the resumed run logs the rows of a run that never failed."""
+@pytest.mark.parametrize("where, failing, step", [("data", 1, 8), ("log", 0, 10)])
+def test_a_failure_on_one_rank_stops_both_after_one_saved_step(tmp_path: Path, where: str, failing: int,
+                                                                step: int) -> None:
+    """World size 2: rank 1's source raises, or rank 0's metrics log: both ranks save the step
+    and stop, the failing rank with its error, the other naming it; the resumed run logs the
+    rows of a run that never failed."""
     error = OSError("the disk went away")
-    results = run_ranks(2, _failing_then_resumed, str(tmp_path), error, 1)
-    saved = (str(tmp_path / "ck/step_8"), str(tmp_path / "ck"))
-    assert results[1][0] == ("RunFailed", "the disk went away", saved)
-    assert results[0][0] == ("PeerDataError", "OSError: the disk went away (rank 1's data source)", saved)
-    assert results[0][1:] == ([10, 12], True)
+    results = run_ranks(2, _failing_then_resumed, str(tmp_path), error, failing, where)
+    saved = (str(tmp_path / f"ck/step_{step}"), str(tmp_path / "ck"))
+    assert results[failing][0] == ("RunFailed", "the disk went away", saved)
+    other = ("PeerFailed", f"OSError: the disk went away (on rank {failing})", saved)
+    assert results[1 - failing][0] == other
+    assert results[0][1:] == ([10, 12] if where == "data" else [12], True)

@@ -12,8 +12,8 @@ same with and without it. The last step is saved before its evaluation.
 
 Every rank takes the same decisions at the same step: at world size > 1 one all-reduce of four
 flags per step on a gloo group (a SIGINT/SIGTERM on any rank, a checkpoint due on rank 0's clock,
-a non-finite loss at a log step, a data source that raised), so that all ranks stop, save or
-fail together.
+a non-finite loss at a log step, a data source or metrics log that raised), so that all ranks
+stop, save or fail together.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ class NonFiniteError(UsageError):
     """The loss or the weights became NaN/inf; nothing of that state was checkpointed."""
 
 
-class PeerDataError(UsageError):
-    """Another rank's data source raised mid-run (its line is the message): every rank stopped
-    after the same step and saved it."""
+class PeerFailed(UsageError):
+    """Another rank's data source or metrics log raised mid-run (its line is the message):
+    every rank stopped after the same step and saved it."""
 
 
 class RunFailed(Exception):
@@ -105,11 +105,11 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
     (rank 0; empty elsewhere). Raises, on every rank, :class:`~.config.UsageError` (a refused
     checkpoint directory, a non-finite loss) and :class:`TrainingInterrupted` after a
     SIGINT/SIGTERM (the step finished and saved). A data source raising mid-run stops every
-    rank after the step the pipeline was in, saved (:meth:`_Trainer._watched`): the failing
-    rank raises its error (a UsageError's ``checkpoint`` names the save), the others
-    :class:`PeerDataError`. On the rank where it happened, :class:`RunFailed` from any other
-    exception (at world size 1 the last step completed is saved first,
-    :meth:`_Trainer._saved_on_failure`)."""
+    rank after the step the pipeline was in, saved (:meth:`_Trainer._watched`), and so does
+    one logging the metrics row: the failing rank raises its error (a UsageError's
+    ``checkpoint`` names the save), the others :class:`PeerFailed`. On the rank where it
+    happened, :class:`RunFailed` from any other exception (at world size 1 the last step
+    completed is saved first, :meth:`_Trainer._saved_on_failure`)."""
     out, trainer = None, None
     try:
         with ExitStack() as stack:
@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
     except TrainingInterrupted:
         raise
     except UsageError as e:
-        if trainer is not None and trainer.data_failed:  # the steps trained are saved
+        if trainer is not None and trainer.stopped_together:  # the steps trained are saved
             e.checkpoint = trainer.resumable()
         raise
     except Exception as e:
@@ -264,8 +264,8 @@ class _Trainer:
         self.cfg, self.device, self.signals = cfg, device, signals
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = node_layout(self.world)
-        self.data_error: Exception | None = None  # what this rank's data source raised
-        self.data_failed = False  # some rank's data source raised: every rank stopped
+        self.failure: Exception | None = None  # this rank's data source or log raised it
+        self.stopped_together = False  # a rank's failure stopped every rank, saved
         t = cfg.trainer
         self.source: DataSource = make_source(cfg)
         allreduce = cfg.pipeline.dense_allreduce
@@ -325,7 +325,7 @@ class _Trainer:
                 try:
                     self.window.add(*pipeline.progress(it))
                 except StopIteration:  # nothing left to train: the source failed filling it
-                    raise self.data_error or RuntimeError("the data ended early") from None
+                    raise self.failure or RuntimeError("the data ended early") from None
                 progress.step()
                 with self._saved_on_failure(step):
                     final_eval = self._after_step(step, stop, pipeline, rows, progress) or final_eval
@@ -353,12 +353,15 @@ class _Trainer:
         t = self.cfg.trainer
         bad = None
         if step % t.log_interval == 0 or step == t.steps:  # not at stop_after: as uninterrupted
-            bad = self._log(step, rows, progress)
-        interrupted, due, data_failed = self._decide(step, bad)
-        if data_failed:  # a data source raised: every rank saves this step and stops
+            try:
+                bad = self._log(step, rows, progress)
+            except Exception as e:  # metrics.jsonl unwritable...: the row is in the history
+                self.failure = e
+        interrupted, due, failed = self._decide(step, bad)
+        if failed:  # a rank's data source or log raised: every rank saves this step and stops
             if self.ckpt is not None:
                 self._save(step)
-            raise self._stop_for_data()
+            raise self._stop_together()
         save = self.ckpt is not None and (due or interrupted or step == stop)
         last = step == t.steps
         if save and last:
@@ -376,19 +379,20 @@ class _Trainer:
         return row
 
     def _watched(self, batches: Iterator) -> Iterator:
-        """``batches``, ending where the data source raises, which is kept in ``data_error``:
+        """``batches``, ending where the data source raises, which is kept in ``failure``:
         the pipeline finishes the step it is in (it reads ahead, before it changes the model),
         and :meth:`_after_step` then stops every rank after that step, saved."""
         try:
             yield from batches
         except Exception as e:
-            self.data_error = e
+            self.failure = e
 
-    def _stop_for_data(self) -> Exception:
-        """Every rank, once some rank's data source failed (:meth:`_watched`) and the step is
-        saved: the exception that ends this rank: its own, or the first failing rank's line."""
-        self.data_failed = True
-        mine = self.data_error
+    def _stop_together(self) -> Exception:
+        """Every rank, once some rank's data source (:meth:`_watched`) or log failed and the
+        step is saved: the exception that ends this rank: its own, or the first failing rank's
+        line."""
+        self.stopped_together = True
+        mine = self.failure
         lines = [_error_line(mine) if mine else None]
         if self.control is not None:
             lines = [None] * self.world
@@ -396,15 +400,16 @@ class _Trainer:
         if mine is not None:
             return mine
         rank = next(r for r, line in enumerate(lines) if line)
-        return PeerDataError(f"{lines[rank]} (rank {rank}'s data source)")
+        return PeerFailed(f"{lines[rank]} (on rank {rank})")
 
     @contextmanager
     def _saved_on_failure(self, step: int) -> Iterator[None]:
-        """The block runs after ``step`` was trained (logging, deciding, saving, evaluating). At
-        world size 1 an unexpected exception in it first saves ``step``, so the run resumes from
-        there. At world size > 1 it saves nothing: one rank cannot know that the others will
-        join the save's collectives; the last checkpoint saved stays. Errors the user can fix, a
-        non-finite loss among them, and interruptions pass as they are."""
+        """The block runs after ``step`` was trained (deciding, saving, evaluating; a failing
+        log stops every rank together, :meth:`_stop_together`). At world size 1 an unexpected
+        exception in it first saves ``step``, so the run resumes from there. At world size > 1
+        it saves nothing: one rank cannot know that the others will join the save's
+        collectives; the last checkpoint saved stays. Errors the user can fix, a non-finite
+        loss among them, and interruptions pass as they are."""
         try:
             yield
         except (UsageError, TrainingInterrupted):
@@ -443,7 +448,7 @@ class _Trainer:
             f.write(json.dumps(row) + "\n")
 
     def _decide(self, step: int, bad: torch.Tensor | None) -> tuple[int, bool, bool]:
-        """``(signal to stop on or 0, checkpoint due, some data source failed)``, the same on
+        """``(signal to stop on or 0, checkpoint due, some rank's data source or log failed)``, the same on
         every rank; raises
         NonFiniteError on every rank if any rank's losses were not finite (``bad``: this
         rank's losses since the last log if one is not)."""
@@ -451,7 +456,7 @@ class _Trainer:
         due = bool(t.checkpoint_interval and step % t.checkpoint_interval == 0)
         if self.rank == 0 and t.checkpoint_minutes:
             due |= time.monotonic() - self.last_save >= t.checkpoint_minutes * 60
-        flags = [self.signals.signum, int(due), int(bad is not None), int(self.data_error is not None)]
+        flags = [self.signals.signum, int(due), int(bad is not None), int(self.failure is not None)]
         if self.control is not None:
             x = torch.tensor(flags, dtype=torch.int64)
             dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.control)
