@@ -62,13 +62,14 @@ def test_the_wheel_holds_the_configs_the_commands_and_declares_torch(wheel: Path
     configs = {f"recpipe/configs/{p.relative_to(ROOT / 'configs')}" for p in (ROOT / "configs").rglob("*.yaml")}
     assert "recpipe/configs/train.yaml" in configs and len(configs) > 10
     assert configs <= names
-    assert {"recpipe/train/__main__.py", "recpipe/train/cli.py",
+    assert {"recpipe/train/__main__.py", "recpipe/train/cli.py", "recpipe/train/torchrun.py",
             "recpipe/train/prepare_movielens.py", "recpipe/py.typed"} <= names
     # nothing of the checkout around the package: recpipe.train.movielens tells a wheel by it
     assert not [n for n in names if n.startswith(("recpipe/pyproject", "recpipe/scripts/",
                                                   "recpipe/tests/", "recpipe/data/"))]
     entry_points = _metadata(wheel, "entry_points.txt")
-    assert re.search(r"^\[console_scripts\]\nrecpipe-train = recpipe\.train\.cli:main$", entry_points, re.M)
+    assert re.search(r"^\[console_scripts\]\nrecpipe-torchrun = recpipe\.train\.torchrun:main\n"
+                     r"recpipe-train = recpipe\.train\.cli:main$", entry_points, re.M), entry_points
     requires = re.findall(r"^Requires-Dist: (.+)$", _metadata(wheel, "METADATA"), re.M)
     hard = [r for r in requires if "extra ==" not in r]
     assert "torch>=2.11" in hard and "numpy" in hard
