@@ -27,6 +27,8 @@ SLOW_FIRST = (
     "test_torchrun_two_ranks_both_pipelines_agree",
     "test_two_ranks_resume_bit_identical_with_every_optimizer",
     "test_kill_9_while_training_and_while_saving_then_resume",
+    "test_a_failure_on_one_rank_stops_both_after_one_saved_step",
+    "test_recpipe_torchrun_stops_on_a_signal_with_one_line_and_resumes_as_printed",
     "test_one_rank_inert_outside_and_narrow_inside",
     "test_all_to_all_outputs_on_main_bit_identical",
     "test_sigint_finishes_the_step_saves_and_prints_how_to_resume",

@@ -73,68 +73,50 @@ def _rank_pid(parent: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {parent}")
 
 
-LAUNCHER = [sys.executable, "-m", "recpipe.train.torchrun", "--standalone", "--nproc-per-node=2"]
-
-
-def _launch(ck: Path, tmp_path: Path, steps: int = 5000) -> tuple[subprocess.Popen, list[str]]:
-    """recpipe-torchrun with 2 ranks, in its own session, once rank 0 has printed its run dir."""
-    p = subprocess.Popen(
-        [*LAUNCHER, SCRIPT, *SYNTHETIC, f"trainer.steps={steps}", "trainer.log_interval=10",
-         "trainer.eval=false", f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-        start_new_session=True,
-    )
+def _started(command: list[str], tmp_path: Path, ready: str) -> tuple[subprocess.Popen, list[str]]:
+    """``command`` in its own session (stdout and stderr one pipe), once it printed a line
+    starting with ``ready``."""
+    p = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=ENV, start_new_session=True)
     seen = []
     for line in p.stdout:
         seen.append(line)
-        if line.startswith("run dir: "):
+        if line.startswith(ready):
             return p, seen
     raise AssertionError("".join(seen))
 
 
-def _stopped(output: str, signame: str, ck: Path) -> tuple[int, list[str]]:
-    """The step a 2-rank run stopped at, which both ranks saved, and its resume command: the
-    last line of ``output``, after progress lines only."""
+def _stopped(p: subprocess.Popen, seen: list[str], signame: str, ck: Path) -> list[str]:
+    """The resume command of a 2-rank run that stopped on ``signame`` with one line, the last,
+    after progress lines only (no report, no library's warning), both ranks having saved."""
+    output = "".join(seen) + p.communicate(timeout=120)[0]
+    assert p.returncode == 128 + signal.Signals[signame], output
     *before, last = output.splitlines()
     m = re.fullmatch(rf"interrupted \({signame}\) after step (\d+): checkpoint \S+; resume with: (.+)", last)
-    assert m and all(x.startswith(("run dir: ", "step ")) for x in before), output  # no report
-    step = int(m[1])
-    d = ck / f"step_{step}"
-    assert (ck / "latest").read_text() == str(step) and _sums_ok(d)
+    assert m and all(x.startswith(("resumed from ", "run dir: ", "step ")) for x in before), output
+    d = ck / f"step_{m[1]}"
+    assert (ck / "latest").read_text() == m[1] and _sums_ok(d)
     assert {"__0_0.distcp", "__1_0.distcp"} <= {x.name for x in d.iterdir()}  # both ranks saved
     assert json.loads((d / "meta.json").read_text())["world_size"] == 2
-    return step, shlex.split(m[2])
+    return shlex.split(m[2])
 
 
-def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step(tmp_path: Path) -> None:
-    """Rank 1 alone gets SIGTERM: both ranks save one step; recpipe-torchrun ends with rank 0's
-    line and 143."""
+def test_recpipe_torchrun_stops_on_a_signal_with_one_line_and_resumes_as_printed(tmp_path: Path) -> None:
+    """recpipe-torchrun, 2 ranks: SIGTERM to rank 1 alone stops both at one step (143); the
+    printed command resumes (no library warning at its rows), and Ctrl-C (SIGINT to the
+    terminal's process group: the launcher and both ranks) stops that run too (130)."""
     ck = tmp_path / "ck"
-    p, seen = _launch(ck, tmp_path)
+    launcher = [sys.executable, "-m", "recpipe.train.torchrun", "--standalone", "--nproc-per-node=2"]
+    p, seen = _started([*launcher, SCRIPT, *SYNTHETIC, "trainer.steps=5000", "trainer.log_interval=10",
+                        "trainer.eval=false", f"trainer.checkpoint_dir={ck}", f"output_dir={tmp_path / 'out'}"],
+                       tmp_path, "run dir: ")
     time.sleep(0.5)
-    os.kill(_rank_pid(p.pid, 1), signal.SIGTERM)
-    output = "".join(seen) + p.communicate(timeout=120)[0]
-    assert p.returncode == 143, output
-    _, command = _stopped(output, "SIGTERM", ck)
-    assert command[:len(LAUNCHER) + 1] == [*LAUNCHER, SCRIPT] and command[-1] == "trainer.resume=true"
-
-
-def test_torchrun_ctrl_c_saves_exits_130_and_its_resume_command_runs(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the terminal's process group: the launcher and both ranks) under
-    recpipe-torchrun: one line, exit 130, and the printed command resumes the run."""
-    ck = tmp_path / "ck"
-    p, seen = _launch(ck, tmp_path)
-    time.sleep(0.5)
+    os.kill(_rank_pid(p.pid, 1), signal.SIGTERM)  # rank 1 only: rank 0 must stop with it
+    command = _stopped(p, seen, "SIGTERM", ck)
+    assert command[:len(launcher) + 1] == [*launcher, SCRIPT] and command[-1] == "trainer.resume=true"
+    p, seen = _started(command, tmp_path, "step ")  # a row logged after the resume
     os.killpg(p.pid, signal.SIGINT)
-    output = "".join(seen) + p.communicate(timeout=120)[0]
-    assert p.returncode == 130, output
-    step, command = _stopped(output, "SIGINT", ck)
-    command[command.index("trainer.steps=5000")] = f"trainer.steps={step + 2}"
-    r = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stderr.splitlines()[-1].startswith("done: "), r.stderr
-    lines = ("resumed from ", "run dir: ", "step ", "done: ")  # no library's warning
-    assert all(x.startswith(lines) for x in r.stderr.splitlines()), r.stderr
-    assert (ck / "latest").read_text() == str(step + 2)
+    assert _stopped(p, seen, "SIGINT", ck) == command
 
 
 # refused: one line, exit status 1, `latest` as it was (every case in-process: test_checkpoint)

@@ -176,69 +176,72 @@ def test_recpipe_torchrun_reports_the_root_failure(tmp_path: Path, case: dict, s
     assert _root(failures) == (status, printed)
 
 
-def _failing_then_resumed(rank: int, world: int, device: torch.device, tmp: str, error: Exception,
-                          failing: int, where: str = "data") -> tuple:
-    """On rank ``failing``, ``error`` is raised by the source as the pipeline reads batch 9
-    (two steps ahead of the model), or (``where="log"``) by the metrics log of step 10; then
-    the run is resumed, and run once more without failing. Returns what this rank raised (its
-    type, its message or its cause's, its checkpoint), the resumed run's log steps, and
-    whether its metrics.jsonl rows are the uninterrupted run's (rank 0)."""
+def _failing_then_resumed(rank: int, world: int, device: torch.device, tmp: str,
+                          cases: list[tuple[str, int, Exception]]) -> list[tuple]:
+    """Per case (where, failing rank, error): on that rank ``error`` is raised by the source as
+    the pipeline reads batch 9 (two steps ahead of the model; ``where="data"``), or by the
+    metrics log of step 10 (``"log"``); then the run is resumed. Returns per case what this rank
+    raised (its type, its message or its cause's, its checkpoint), the resumed run's log steps,
+    and whether its metrics.jsonl rows are those of a run that never failed (rank 0)."""
     from recpipe.train.data import SyntheticSource
 
     batches, record = SyntheticSource.train_batches, trainer._Trainer._record
+    short = ("trainer.steps=12", "trainer.log_interval=5")
+    reference = _rows(train(config(*short, "trainer.checkpoint=false"), device, f"{tmp}/ref"))
+    out = []
+    for i, (where, failing, error) in enumerate(cases):
 
-    def failing_source(self, r, w, start, stop):
-        for step, batch in zip(range(start, stop), batches(self, r, w, start, stop)):
-            if step == 9 and r == failing:
+        def failing_source(self, r, w, start, stop):
+            for step, batch in zip(range(start, stop), batches(self, r, w, start, stop)):
+                if step == 9 and r == failing:
+                    raise error
+                yield batch
+
+        def failing_record(self, row, rows):
+            record(self, row, rows)
+            if row["step"] == 10 and self.rank == failing:
                 raise error
-            yield batch
 
-    def failing_record(self, row, rows):
-        record(self, row, rows)
-        if row["step"] == 10 and self.rank == failing:
-            raise error
-
-    common = ("trainer.steps=12", "trainer.log_interval=5", f"trainer.checkpoint_dir={tmp}/ck")
-    if where == "data":
-        SyntheticSource.train_batches = failing_source
-    else:
-        trainer._Trainer._record = failing_record
-    try:
-        train(config(*common), device, f"{tmp}/a")
-    except (RunFailed, UsageError) as e:
-        raised = (type(e).__name__, str(e.__cause__ if isinstance(e, RunFailed) else e), e.checkpoint)
-    finally:
-        SyntheticSource.train_batches, trainer._Trainer._record = batches, record
-    rest = train(config(*common, "trainer.resume=true"), device, f"{tmp}/b")
-    reference = train(config(*common[:2], "trainer.checkpoint=false"), device, f"{tmp}/ref")
-    written = [json.loads(x) for x in Path(f"{tmp}/b/metrics.jsonl").read_text().splitlines()] if rank == 0 else []
-    return raised, [s for s, _, _ in losses(rest)], _rows(written) == _rows(reference)
+        common = (*short, f"trainer.checkpoint_dir={tmp}/ck{i}")
+        if where == "data":
+            SyntheticSource.train_batches = failing_source
+        else:
+            trainer._Trainer._record = failing_record
+        try:
+            train(config(*common), device, f"{tmp}/a{i}")
+        except (RunFailed, UsageError) as e:
+            raised = (type(e).__name__, str(e.__cause__ if isinstance(e, RunFailed) else e), e.checkpoint)
+        finally:
+            SyntheticSource.train_batches, trainer._Trainer._record = batches, record
+        rest = train(config(*common, "trainer.resume=true"), device, f"{tmp}/b{i}")
+        written = Path(f"{tmp}/b{i}/metrics.jsonl").read_text().splitlines() if rank == 0 else []
+        out.append((raised, [s for s, _, _ in losses(rest)], _rows([json.loads(x) for x in written]) == reference))
+    return out
 
 
-@pytest.mark.parametrize("error", [OSError("the disk went away"),
-                                   UsageError("day_0.tsv line 9: 38 columns, Criteo's have 40")])
 def test_the_data_source_failing_mid_run_saves_the_step_and_the_resume_logs_the_same_rows(
-    gloo, tmp_path: Path, error: Exception
+    gloo, tmp_path: Path
 ) -> None:
     """World size 1: the source raises (an unexpected error, or a bad file the user can fix);
     the pipeline ends the step it is in, which is saved and named, and the resumed run logs the
     rows of a run that never failed."""
-    raised, steps, same_rows = _failing_then_resumed(0, 1, gloo, str(tmp_path), error, failing=0)
-    kind = "RunFailed" if isinstance(error, OSError) else "UsageError"
-    assert raised == (kind, str(error), (str(tmp_path / "ck/step_8"), str(tmp_path / "ck")))  # batches 0-7
-    assert steps == [10, 12] and same_rows
+    errors = [OSError("the disk went away"), UsageError("day_0.tsv line 9: 38 columns, Criteo's have 40")]
+    results = _failing_then_resumed(0, 1, gloo, str(tmp_path), [("data", 0, e) for e in errors])
+    for i, (kind, error) in enumerate(zip(("RunFailed", "UsageError"), errors)):
+        saved = (str(tmp_path / f"ck{i}/step_8"), str(tmp_path / f"ck{i}"))  # batches 0-7 trained
+        assert results[i] == ((kind, str(error), saved), [10, 12], True)
 
 
-@pytest.mark.parametrize("where, failing, step", [("data", 1, 8), ("log", 0, 10)])
-def test_a_failure_on_one_rank_stops_both_after_one_saved_step(tmp_path: Path, where: str, failing: int,
-                                                                step: int) -> None:
+def test_a_failure_on_one_rank_stops_both_after_one_saved_step(tmp_path: Path) -> None:
     """World size 2: rank 1's source raises, or rank 0's metrics log: both ranks save the step
     and stop, the failing rank with its error, the other naming it; the resumed run logs the
     rows of a run that never failed."""
     error = OSError("the disk went away")
-    results = run_ranks(2, _failing_then_resumed, str(tmp_path), error, failing, where)
-    saved = (str(tmp_path / f"ck/step_{step}"), str(tmp_path / "ck"))
-    assert results[failing][0] == ("RunFailed", "the disk went away", saved)
-    other = ("PeerFailed", f"OSError: the disk went away (on rank {failing})", saved)
-    assert results[1 - failing][0] == other
-    assert results[0][1:] == ([10, 12] if where == "data" else [12], True)
+    cases = [("data", 1, error), ("log", 0, error)]
+    results = run_ranks(2, _failing_then_resumed, str(tmp_path), cases)
+    for i, ((where, failing, _), step) in enumerate(zip(cases, (8, 10))):
+        saved = (str(tmp_path / f"ck{i}/step_{step}"), str(tmp_path / f"ck{i}"))
+        assert results[failing][i][0] == ("RunFailed", "the disk went away", saved)
+        other = ("PeerFailed", f"OSError: the disk went away (on rank {failing})", saved)
+        assert results[1 - failing][i][0] == other
+        assert results[0][i][1:] == ([10, 12] if where == "data" else [12], True)
