@@ -18,13 +18,12 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 #: collection order, so these start first and none of them ends the run alone
 SLOW_FIRST = (
     "test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant",
-    "test_two_nodes_match_one_node",
+    "test_recpipe_on_two_nodes_matches_torchrec_on_one_node",
     "test_python_calls_per_step_do_not_grow_with_the_model",
     "test_losses_bit_identical_on_four_ranks",
     "test_readme_stop_and_resume_commands",
     "test_losses_match_ddp",
     "test_two_ranks_inert_outside_and_narrow_inside",
-    "test_torchrun_two_ranks_both_pipelines_agree",
     "test_two_ranks_resume_bit_identical_with_every_optimizer",
     "test_kill_9_while_training_and_while_saving_then_resume",
     "test_a_failure_on_one_rank_stops_both_after_one_saved_step",

@@ -21,7 +21,7 @@ from recpipe.testing.launch import SHARED_GPU_ENV, rank_backend_device
 from recpipe.pipeline.sparse_dist import _bucketized
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
-STEPS = 32
+STEPS = 16
 EMPTY_AT = 7  # one batch without any ids
 # 2 ranks on GPUs: NCCL, or gloo with RECPIPE_SHARED_GPU=1 on one GPU (recpipe.testing.launch)
 GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
@@ -174,11 +174,13 @@ def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
 
 
 def test_losses_bit_identical_on_four_ranks() -> None:
-    """4 ranks (issue 7's correctness check; gloo on CPU): mixed table-/column-wise."""
-    results = run_ranks(4, _train, SHARDINGS["mixed_tw_cw"], STEPS)
+    """4 ranks (issue 7's correctness check; gloo on CPU): mixed table-/column-wise, half the
+    steps (4 ranks on CI's 2 cores)."""
+    steps = STEPS // 2
+    results = run_ranks(4, _train, SHARDINGS["mixed_tw_cw"], steps)
     for r in results:
-        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
-        assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == steps
+        assert r["redirected"].get("dist_init", 0) >= steps, r["redirected"]
 
 
 def test_rank_backend_device(monkeypatch: pytest.MonkeyPatch) -> None:
