@@ -52,12 +52,11 @@ def test_sigint_finishes_the_step_saves_and_prints_how_to_resume(gloo, tmp_path:
     step = int(m[1])
     assert 0 < step < 150 and m[2] == str(ck / f"step_{step}")
     assert (ck / "latest").read_text() == str(step) and _sums_ok(ck / f"step_{step}")
-    command = shlex.split(m[3])
+    command = shlex.split(m[3])  # run as printed: the recpipe-torchrun test below
     assert command[:2] == [sys.executable, SCRIPT] and command[-1] == "trainer.resume=true"
-    r = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    reference = train(config(*run[:3], "trainer.checkpoint=false"), gloo, str(tmp_path / "ref"))
-    assert _history(ck) == losses(reference)
+    reference = train(config(*run[:3], "trainer.checkpoint=false", f"trainer.steps={step}"), gloo,
+                      str(tmp_path / "ref"))
+    assert _history(ck) == losses(reference)  # the steps saved are an uninterrupted run's
 
 
 def _rank_pid(parent: int, rank: int) -> int:
