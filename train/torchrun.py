@@ -11,7 +11,9 @@ the same options) that ends as the one-process training command does:
   ranks, which save and print how to resume, with this launcher).
 
 Plain torchrun runs the same job; it exits 1 on every failure and prints its own report after
-our line. ``LOGLEVEL``, if set, keeps torchrun's own log lines (they are off here otherwise).
+our line. ``LOGLEVEL``, if set, keeps torchrun's own log lines (they are off here otherwise);
+``OMP_NUM_THREADS`` is 1 for several ranks per node unless set, as torchrun sets it, without its
+warning.
 """
 from __future__ import annotations
 
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     os.environ[LAUNCHER_ENV] = "1"
+    if "OMP_NUM_THREADS" not in os.environ and torchrun.determine_local_world_size(args.nproc_per_node) > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's default then, without its 5-line warning
     _quiet_elastic()
     try:
         torchrun.run(args)
