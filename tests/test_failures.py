@@ -153,7 +153,7 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, line: str | None, timesta
     having chosen exit status ``exitcode``."""
     path = tmp_path / f"error{rank}.json"
     if line is not None:
-        info = {"timestamp": str(timestamp), "status": exitcode}
+        info = {"timestamp": str(timestamp), "time": timestamp + 0.5, "status": exitcode}
         path.write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
         exitcode = -15  # torchrun killed it as it exited
     failure = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
@@ -169,10 +169,13 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, line: str | None, timesta
      "error: rank 1 was killed by SIGKILL"),  # the root cause, not what it caused
     ({2: (-11, None), 3: (-9, None)}, 139, "error: rank 2 was killed by SIGSEGV"),  # the earliest
     ({0: (-15, None), 1: (1, "error: bad")}, 1, "error: bad (rank 1)"),  # torchrun stopped rank 0
+    ({0: (1, "error: RuntimeError: Connection closed by peer", 5), 1: (1, "error: data.path: bad line", 4)},
+     1, "error: data.path: bad line (rank 1)"),  # the first line, not what it caused on rank 0
     ({1: (2, None)}, 2, "error: rank 1 exited with status 2 (its output is above)"),
 ])
 def test_recpipe_torchrun_reports_the_root_failure(tmp_path: Path, case: dict, status: int, printed: str | None) -> None:
-    failures = {r: _failure(tmp_path, r, code, line, timestamp=r) for r, (code, line) in case.items()}
+    failures = {r: _failure(tmp_path, r, code, line, timestamp=t[0] if t else r)  # t: when, else r
+                for r, (code, line, *t) in case.items()}
     assert _root(failures) == (status, printed)
 
 
@@ -245,3 +248,23 @@ def test_a_failure_on_one_rank_stops_both_after_one_saved_step(tmp_path: Path) -
         other = ("PeerFailed", f"OSError: the disk went away (on rank {failing})", saved)
         assert results[1 - failing][i][0] == other
         assert results[0][i][1:] == ([10, 12] if where == "data" else [12], True)
+
+
+def test_a_source_failing_while_the_pipeline_fills_raises_at_once(
+    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 1 (the second the pipeline reads before its first step): raised as it is, with
+    nothing trained or saved (on several ranks, a rank with one batch would skip a collective)."""
+    from recpipe.train.data import SyntheticSource
+
+    batches = SyntheticSource.train_batches
+
+    def failing_source(self, r, w, start, stop):
+        yield next(batches(self, r, w, start, stop))
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(SyntheticSource, "train_batches", failing_source)
+    with pytest.raises(RunFailed) as e:
+        train(config("trainer.steps=12", f"trainer.checkpoint_dir={tmp_path / 'ck'}"), gloo, str(tmp_path / "a"))
+    assert str(e.value.__cause__) == "the disk went away" and e.value.checkpoint is None
+    assert not (tmp_path / "ck" / "latest").exists()

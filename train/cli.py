@@ -170,9 +170,11 @@ def _end(status: int, line: str) -> NoReturn:
     torchrun every rank writes it into its error file, whose message torchrun's failure report
     shows (instead of a link to torchrun's docs)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:  # the format torchrun's own @record writes (its report shows py_callstack), and
-        # the status, which recpipe-torchrun exits with (torchrun may kill this rank while it exits)
-        info = {"py_callstack": line, "timestamp": str(int(time.time())), "status": status}
+    if path:  # the format torchrun's own @record writes (its report shows py_callstack), the
+        # status, which recpipe-torchrun exits with (torchrun may kill this rank while it exits),
+        # and the time, by which it finds the first failure
+        now = time.time()
+        info = {"py_callstack": line, "timestamp": str(int(now)), "time": now, "status": status}
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
     if _rank() == 0:

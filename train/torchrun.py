@@ -66,23 +66,31 @@ def _silent_line(rank: int, exitcode: int) -> str:
     return f"error: rank {rank} exited with status {exitcode} (its output is above)"
 
 
+def _time(failure: ProcessFailure) -> float:
+    """When the rank wrote its line (``time`` in its error file, to the microsecond), else when
+    torchrun saw it fail (to the second)."""
+    message = failure.message
+    info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    return float(info.get("time", failure.timestamp))
+
+
 def _root(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
     """The exit status and the line to print (None: rank 0 printed it) for the root failure.
     First a rank that died without a line, killed by a signal other than SIGTERM or crashed (the
-    others' lines are about losing it: gloo's "connection closed by peer"); then rank 0's line,
-    then the earliest line; last a rank killed by SIGTERM without one (torchrun stops the other
-    ranks so once one fails, and a rank's own SIGTERM handler prints a line)."""
-    def order(rank: int) -> tuple[int, int]:
+    others' lines are about losing it: gloo's "connection closed by peer"); then the earliest
+    line; last a rank killed by SIGTERM without one (torchrun stops the other ranks so once one
+    fails, and a rank's own SIGTERM handler prints a line)."""
+    def order(rank: int) -> tuple[int, float]:
         failure = failures[rank]
         if _line(failure) is None:
-            return (3 if failure.exitcode == -signal.SIGTERM else 0), failure.timestamp
-        return (1 if rank == 0 else 2), failure.timestamp
+            return (2 if failure.exitcode == -signal.SIGTERM else 0), _time(failure)
+        return 1, _time(failure)
 
     rank = min(failures, key=order)
     failure, line = failures[rank], _line(failures[rank])
     if line is None:
         line = _silent_line(rank, failure.exitcode)
-    elif rank == 0:
+    elif 0 in failures and _line(failures[0]) == line:  # rank 0 printed it
         line = None
     else:
         line = f"{line} (rank {rank})"

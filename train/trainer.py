@@ -45,6 +45,8 @@ from recpipe.testing.synthetic import build_sharded, deterministic_kernels
 from recpipe.pipeline.topology import group_is_node_local, node_layout, planner_topology
 
 PIPELINES = {"torchrec": TorchrecPipeline, "recpipe": RecpipePipeline}
+#: the batches a pipeline reads before its first step (TrainPipelineSparseDist's fill)
+FILL = 2
 
 log = logging.getLogger(__name__)
 
@@ -324,8 +326,8 @@ class _Trainer:
             for step in range(self.start + 1, stop + 1):  # step: steps done after this one
                 try:
                     self.window.add(*pipeline.progress(it))
-                except StopIteration:  # nothing left to train: the source failed filling it
-                    raise self.failure or RuntimeError("the data ended early") from None
+                except StopIteration:  # a source's batches are as many as the steps asked
+                    raise RuntimeError(f"the data source ended after step {step - 1}") from None
                 progress.step()
                 with self._saved_on_failure(step):
                     final_eval = self._after_step(step, stop, pipeline, rows, progress) or final_eval
@@ -380,11 +382,19 @@ class _Trainer:
 
     def _watched(self, batches: Iterator) -> Iterator:
         """``batches``, ending where the data source raises, which is kept in ``failure``:
-        the pipeline finishes the step it is in (it reads ahead, before it changes the model),
-        and :meth:`_after_step` then stops every rank after that step, saved."""
+        the pipeline finishes the step it is in (it reads a batch two steps ahead, after the
+        backward, before the optimizer step), and :meth:`_after_step` then stops every rank
+        after that step, saved. Raised as it is while the pipeline fills (its first
+        :data:`FILL` batches): a rank with fewer batches would skip a collective the others
+        make, and no step is trained yet."""
+        read = 0
         try:
-            yield from batches
+            for batch in batches:
+                yield batch
+                read += 1
         except Exception as e:
+            if read < FILL:
+                raise
             self.failure = e
 
     def _stop_together(self) -> Exception:
