@@ -150,10 +150,12 @@ def test_torchrun_ends_with_our_error(tmp_path: Path, launcher: str) -> None:
 
 def _failure(tmp_path: Path, rank: int, exitcode: int, line: str | None, timestamp: int) -> ProcessFailure:
     """torchrun's record of a rank that ended with ``line`` in its error file (None: no file),
-    having chosen exit status ``exitcode``."""
+    having chosen exit status ``exitcode``; a line ending "!" is one every rank ended with by
+    agreement."""
     path = tmp_path / f"error{rank}.json"
     if line is not None:
-        info = {"timestamp": str(timestamp), "time": timestamp + 0.5, "status": exitcode}
+        info = {"timestamp": str(timestamp), "time": timestamp + 0.5, "status": exitcode,
+                "together": line.endswith("!")}
         path.write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
         exitcode = -15  # torchrun killed it as it exited
     failure = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
@@ -163,8 +165,10 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, line: str | None, timesta
 
 @pytest.mark.parametrize("case, status, printed", [
     ({0: (1, "error: bad"), 1: (1, "error: bad")}, 1, None),  # rank 0 printed it
-    ({1: (143, "interrupted (SIGTERM) after step 3: ...")}, 143,
-     "interrupted (SIGTERM) after step 3: ... (rank 1)"),
+    ({1: (143, "interrupted (SIGTERM) after step 3: ...!")}, 143,
+     "interrupted (SIGTERM) after step 3: ...! (rank 1)"),
+    ({0: (1, "error: OSError: gone (on rank 1)!", 5), 1: (1, "error: OSError: gone (rank1.log)!", 4)},
+     1, None),  # stopped together: rank 0's line names the failing rank
     ({0: (1, "error: RuntimeError: Connection closed by peer"), 1: (-9, None)}, 137,
      "error: rank 1 was killed by SIGKILL"),  # the root cause, not what it caused
     ({2: (-11, None), 3: (-9, None)}, 139, "error: rank 2 was killed by SIGSEGV"),  # the earliest

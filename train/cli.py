@@ -165,16 +165,19 @@ def _resume_command(checkpoint_dir: str) -> str:
     return f"{launcher} {shlex.join(args)}".lstrip()
 
 
-def _end(status: int, line: str) -> NoReturn:
+def _end(status: int, line: str, together: bool = True) -> NoReturn:
     """End this rank with exit status ``status``: rank 0 prints ``line`` on stderr; under
     torchrun every rank writes it into its error file, whose message torchrun's failure report
-    shows (instead of a link to torchrun's docs)."""
+    shows (instead of a link to torchrun's docs). ``together``: every rank ends at this point by
+    agreement (a signal, a config error, the trainer's decision), so recpipe-torchrun reports
+    rank 0's line; else this rank failed alone, maybe causing the others' failures."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:  # the format torchrun's own @record writes (its report shows py_callstack), the
         # status, which recpipe-torchrun exits with (torchrun may kill this rank while it exits),
         # and the time, by which it finds the first failure
         now = time.time()
-        info = {"py_callstack": line, "timestamp": str(int(now)), "time": now, "status": status}
+        info = {"py_callstack": line, "timestamp": str(int(now)), "time": now, "status": status,
+                "together": together}
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
     if _rank() == 0:
@@ -236,7 +239,9 @@ def _run(dcfg: DictConfig) -> None:
         _end(128 + e.signum,
              f"interrupted ({signal.Signals(e.signum).name}) after step {e.step}: {where}")
     except RunFailed as e:
-        _end(1, _unexpected(e.__cause__, e.run_dir or cfg.output_dir, e.checkpoint))
+        _end(1, _unexpected(e.__cause__, e.run_dir or cfg.output_dir, e.checkpoint), e.together)
+    except UsageError as e:  # here, before the process group goes: the other ranks see it after
+        _end(1, f"error: {e}{_resume_hint(e.checkpoint)}", e.together)
     finally:
         dist.destroy_process_group()
 

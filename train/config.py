@@ -29,6 +29,8 @@ class UsageError(Exception):
     directory) to resume from where the trainer set it (a data file failing mid-run)."""
 
     checkpoint: tuple[str, str] | None = None
+    #: every rank raised it at the same step, by agreement (the trainer's per-step decision)
+    together: bool = False
 
 
 @dataclass

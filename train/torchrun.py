@@ -66,35 +66,40 @@ def _silent_line(rank: int, exitcode: int) -> str:
     return f"error: rank {rank} exited with status {exitcode} (its output is above)"
 
 
-def _time(failure: ProcessFailure) -> float:
-    """When the rank wrote its line (``time`` in its error file, to the microsecond), else when
-    torchrun saw it fail (to the second)."""
+def _info(failure: ProcessFailure) -> dict:
+    """The ``extraInfo`` the training command wrote into the rank's error file ({}: none)."""
     message = failure.message
-    info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-    return float(info.get("time", failure.timestamp))
+    return message.get("extraInfo", {}) if isinstance(message, dict) else {}
 
 
 def _root(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
-    """The exit status and the line to print (None: rank 0 printed it) for the root failure.
-    First a rank that died without a line, killed by a signal other than SIGTERM or crashed (the
-    others' lines are about losing it: gloo's "connection closed by peer"); then the earliest
-    line; last a rank killed by SIGTERM without one (torchrun stops the other ranks so once one
-    fails, and a rank's own SIGTERM handler prints a line)."""
+    """The exit status and the line to print (None: rank 0 printed it) for the root failure:
+    1. a rank that died without a line, killed by a signal other than SIGTERM or crashed (the
+       others' lines are about losing it: gloo's "connection closed by peer");
+    2. rank 0's line where every rank ended so by agreement (``together``: a signal, the
+       trainer's decision);
+    3. the earliest line (``time``, written before the rank leaves the process group: a rank
+       that failed alone comes before the failures it caused);
+    4. a rank killed by SIGTERM without a line (torchrun stops the other ranks so once one
+       fails; a rank's own SIGTERM handler prints a line)."""
+    lines = {r: _line(f) for r, f in failures.items()}
+    if 0 in failures and lines[0] is not None and _info(failures[0]).get("together"):
+        return _status(failures[0]), None
+
     def order(rank: int) -> tuple[int, float]:
         failure = failures[rank]
-        if _line(failure) is None:
-            return (2 if failure.exitcode == -signal.SIGTERM else 0), _time(failure)
-        return 1, _time(failure)
+        when = float(_info(failure).get("time", failure.timestamp))
+        if lines[rank] is None:
+            return (2 if failure.exitcode == -signal.SIGTERM else 0), when
+        return 1, when
 
     rank = min(failures, key=order)
-    failure, line = failures[rank], _line(failures[rank])
+    failure, line = failures[rank], lines[rank]
     if line is None:
-        line = _silent_line(rank, failure.exitcode)
-    elif 0 in failures and _line(failures[0]) == line:  # rank 0 printed it
-        line = None
-    else:
-        line = f"{line} (rank {rank})"
-    return _status(failure), line
+        return _status(failure), _silent_line(rank, failure.exitcode)
+    if line == lines.get(0):  # rank 0 printed it
+        return _status(failure), None
+    return _status(failure), f"{line} (rank {rank})"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,23 +62,29 @@ class TrainingInterrupted(Exception):
 
 
 class NonFiniteError(UsageError):
-    """The loss or the weights became NaN/inf; nothing of that state was checkpointed."""
+    """The loss or the weights became NaN/inf; nothing of that state was checkpointed. Raised
+    on every rank at the same step."""
+
+    together = True
 
 
 class PeerFailed(UsageError):
     """Another rank's data source or metrics log raised mid-run (its line is the message):
     every rank stopped after the same step and saved it."""
 
+    together = True
+
 
 class RunFailed(Exception):
     """An unexpected exception (this one's ``__cause__``) ended the run on this rank.
     ``run_dir``: the run directory (None: the run failed before making it); ``checkpoint``: the
     newest checkpoint this run saved or resumed from, as (step directory, checkpoint
-    directory), None if there is none."""
+    directory), None if there is none; ``together``: every rank stopped at the same step by
+    agreement (:meth:`_Trainer._stop_together`), else this rank failed alone."""
 
-    def __init__(self, run_dir: str | None, checkpoint: tuple[str, str] | None) -> None:
+    def __init__(self, run_dir: str | None, checkpoint: tuple[str, str] | None, together: bool) -> None:
         super().__init__(f"the run failed (run directory {run_dir})")
-        self.run_dir, self.checkpoint = run_dir, checkpoint
+        self.run_dir, self.checkpoint, self.together = run_dir, checkpoint, together
 
 
 def make_run_dir(cfg: TrainConfig) -> str:
@@ -135,10 +141,11 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
         raise
     except UsageError as e:
         if trainer is not None and trainer.stopped_together:  # the steps trained are saved
-            e.checkpoint = trainer.resumable()
+            e.checkpoint, e.together = trainer.resumable(), True
         raise
     except Exception as e:
-        raise RunFailed(out, trainer and trainer.resumable()) from e
+        together = trainer is not None and trainer.stopped_together
+        raise RunFailed(out, trainer and trainer.resumable(), together) from e
 
 
 class _Signals:
