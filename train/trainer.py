@@ -465,10 +465,9 @@ class _Trainer:
             f.write(json.dumps(row) + "\n")
 
     def _decide(self, step: int, bad: torch.Tensor | None) -> tuple[int, bool, bool]:
-        """``(signal to stop on or 0, checkpoint due, some rank's data source or log failed)``, the same on
-        every rank; raises
-        NonFiniteError on every rank if any rank's losses were not finite (``bad``: this
-        rank's losses since the last log if one is not)."""
+        """``(signal to stop on or 0, checkpoint due, some rank's data source or log failed)``,
+        the same on every rank; raises NonFiniteError on every rank if any rank's losses were
+        not finite (``bad``: this rank's losses since the last log if one is not)."""
         t = self.cfg.trainer
         due = bool(t.checkpoint_interval and step % t.checkpoint_interval == 0)
         if self.rank == 0 and t.checkpoint_minutes:
