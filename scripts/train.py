@@ -3,7 +3,7 @@
 statuses and output), e.g.
 
     python scripts/train.py pipeline=torchrec trainer.steps=100
-    torchrun --nproc-per-node=2 scripts/train.py hardware=cuda
+    recpipe-torchrun --standalone --nproc-per-node=2 scripts/train.py hardware=cuda
 """
 
 from recpipe.train.cli import main

@@ -32,7 +32,7 @@ LAUNCHER_ENV = "RECPIPE_LAUNCHER"
 
 def _quiet_elastic() -> None:
     """torchrun's agent logs each failure and signal (its ``LOGLEVEL``, default WARNING): off,
-    unless ``LOGLEVEL`` is set. Its start-up warnings (``OMP_NUM_THREADS``) stay."""
+    unless ``LOGLEVEL`` is set."""
     if "LOGLEVEL" in os.environ:
         return
     for name, logger in logging.Logger.manager.loggerDict.items():
@@ -52,8 +52,7 @@ def _line(failure: ProcessFailure) -> str | None:
 def _status(failure: ProcessFailure) -> int:
     """The exit status a rank chose (``status`` in its error file: torchrun may kill it while it
     exits), else the one it had, as a shell shows it (128 + N: killed by signal N)."""
-    message = failure.message
-    chosen = message.get("extraInfo", {}).get("status") if isinstance(message, dict) else None
+    chosen = _info(failure).get("status")
     if chosen is not None:
         return int(chosen)
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1

@@ -410,10 +410,9 @@ class _Trainer:
         line."""
         self.stopped_together = True
         mine = self.failure
-        lines = [_error_line(mine) if mine else None]
-        if self.control is not None:
+        if self.control is not None:  # every rank joins; at world size 1 the failure is this one
             lines = [None] * self.world
-            dist.all_gather_object(lines, _error_line(mine) if mine else None, group=self.control)
+            dist.all_gather_object(lines, mine and _error_line(mine), group=self.control)
         if mine is not None:
             return mine
         rank = next(r for r, line in enumerate(lines) if line)
