@@ -47,8 +47,8 @@ _EARLY_FREE = dict(free_features_storage_early=True)
 _ASYNC = dict(enable_inplace_copy_batch=True, async_inplace_copy=True)  # torchrec >= 1.9
 _LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
              clear_data_dist_inputs=True)
-# world size 1: the whole P1 into a depth-3 ring (depth 2: the host waits for main)
-_RING3 = _variant("RecpipeRing3", split_input_dist_permute=False)
+# the ring and the early frees for every batch, however small (sanitizer and ablation runs)
+_ALWAYS = dict(min_batch_bytes=0)
 _A2A_MAIN = _variant("RecpipeA2AMain", all_to_all_outputs_on_main=True)
 
 PIPELINES: dict[str, Callable] = {
@@ -62,6 +62,7 @@ PIPELINES: dict[str, Callable] = {
     "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),
     "torchrec_async": _with_options(TorchrecPipeline, **_ASYNC),
     "recpipe": RecpipePipeline,
+    "recpipe_always": _variant("RecpipeAlways", **_ALWAYS),
     "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
     "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
     "recpipe_a2a_main": _A2A_MAIN,
@@ -69,9 +70,10 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
     "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
     "recpipe_async": _with_options(RecpipePipeline, **_ASYNC),  # + torchrec's copy worker
-    "recpipe_ring3": _RING3,
-    "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2),
-    "recpipe_ring": _variant("RecpipeRing", ring_feature_permute=True),  # P1 ring on every rank
+    # world size 1: the whole P1 into a depth-3 ring (depth 2: the host waits for main)
+    "recpipe_ring3": _variant("RecpipeRing3Always", split_input_dist_permute=False, **_ALWAYS),
+    "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2, **_ALWAYS),
+    "recpipe_ring": _variant("RecpipeRing", ring_feature_permute=True, **_ALWAYS),  # every rank
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
     "recpipe_auto_ar": RecpipePipeline,

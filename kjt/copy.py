@@ -41,7 +41,7 @@ class _CopyOn(TorchFunctionMode):
             src = args[0]
             out = torch.empty_like(src, device=self.device)  # on the current stream
             self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
-            with torch.cuda.stream(self.stream):
+            with self.stream:
                 out.copy_(src, non_blocking=kwargs.get("non_blocking", False))
         else:
             out = func(*args, **kwargs)

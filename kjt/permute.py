@@ -21,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.ops import PermuteResult, permute_2D_sparse_data
+from recpipe.ops import PermuteResult, permute_into
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,13 @@ Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None
 
 
 def write_into(alloc: Allocator) -> Runner:
-    """A runner that permutes with recpipe's op into ``alloc(spec)``'s buffers.
+    """A runner that permutes into ``alloc(spec)``'s buffers with recpipe's op
+    (:func:`recpipe.ops.permute_into`: the op's checks of the buffers are left out).
 
     Contract for ``alloc``: it is called on the thread and stream of the permute call and must
-    return buffers that this stream may write now (the caller orders their allocation or last
-    use against this stream) and that stay alive as long as the result is used.
+    return buffers that fit ``spec`` (:meth:`PermuteBuffers.fits`, contiguous), that this
+    stream may write now (the caller orders their allocation or last use against this stream)
+    and that stay alive as long as the result is used.
     """
 
     def run(
@@ -130,7 +132,7 @@ def write_into(alloc: Allocator) -> Runner:
         total: int,
     ) -> PermuteResult:
         buffers = alloc(permute_spec(permute, lengths, values, weights, total))
-        return permute_2D_sparse_data(
+        return permute_into(
             permute, lengths, values, weights, total,
             buffers.lengths, buffers.values, buffers.weights,
         )

@@ -34,3 +34,12 @@ def release_storage(kjt: KeyedJaggedTensor, owned: Container[int]) -> int:
         storage.resize_(0)
     return freed
 
+
+
+def kjt_nbytes(kjt: KeyedJaggedTensor) -> int:
+    """Bytes of ``kjt``'s values, weights and lengths (what a permute of it reads and writes)."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in (kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none())
+        if t is not None
+    )

@@ -23,7 +23,9 @@ Semantics match ``torch.ops.fbgemm.permute_2D_sparse_data`` for 2D lengths ``[T,
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -98,7 +100,10 @@ def _check_inputs(
     for name, t in (("permute", permute), ("values", values), ("weights", weights)):
         if t is not None and t.device != device:
             _fail(ValueError, f"{name} must be on the device of lengths ({device}), got {t.device}")
-    if permuted_lengths_sum is not None:
+    if type(permuted_lengths_sum) is int:  # eager: a plain comparison (host time)
+        if permuted_lengths_sum < 0:
+            _fail(ValueError, f"permuted_lengths_sum must be >= 0, got {permuted_lengths_sum}")
+    elif permuted_lengths_sum is not None:
         torch._check_value(
             permuted_lengths_sum >= 0,
             lambda: f"{_OP}: permuted_lengths_sum must be >= 0, got {permuted_lengths_sum}",
@@ -159,6 +164,8 @@ def _front(buf: torch.Tensor, shape: tuple[int | torch.SymInt, ...]) -> torch.Te
     numel = math.prod(shape)
     if type(numel) is int and buf.shape == shape:
         return buf
+    if buf.dim() == len(shape) == 1:  # one op instead of three (host time)
+        return buf.narrow(0, 0, numel)
     return buf.view(-1).narrow(0, 0, numel).view(shape)
 
 
@@ -229,26 +236,52 @@ def _permute_cpu(
     values_out: torch.Tensor,
     weights_out: torch.Tensor | None,
 ) -> None:
-    """Row-wise: each output row's values are one contiguous slice of the input, so one
-    ``torch.cat(out=)`` of the permuted slices writes the whole output (memcpy, multithreaded)."""
+    """Checks the data on the host (a few small ops and two ``tolist``; no Python loop over
+    rows), then writes with fbgemm's C++ kernel where it takes the dtypes (``_fbgemm_cpu``),
+    else row-wise: each output row's values are one contiguous slice of the input, so one
+    ``torch.cat(out=)`` of the permuted slices writes the whole output."""
     T = rows.shape[0]
-    if ((permute < 0) | (permute >= T)).any():
-        _raise_out_of_range(permute, T)
-    if (rows < 0).any():
-        _raise_negative_lengths(rows)
-    torch.index_select(rows, 0, permute, out=rows_out)
-    row_sums = rows.sum(dim=1, dtype=torch.int64).tolist()
     order = permute.tolist()
-    in_total, out_total = sum(row_sums), sum([row_sums[p] for p in order])  # no generator:
-    # its every step is a Python call (host work per step must not grow with the features)
+    if order and (min(order) < 0 or max(order) >= T):
+        _raise_out_of_range(permute, T)
+    if rows.numel() and int(rows.min()) < 0:
+        _raise_negative_lengths(rows)
+    row_sums = rows.sum(dim=1, dtype=torch.int64).tolist()
+    in_total, out_total = sum(row_sums), sum(map(row_sums.__getitem__, order))
     if out_total != n:
         _fail(ValueError, f"permuted_lengths_sum={n} but the permuted lengths sum to {out_total}")
     if in_total > values.numel():
         _fail(ValueError, f"lengths sum to {in_total} but values has {values.numel()}")
+    fbgemm = _fbgemm_cpu(values, weights)
+    if fbgemm is not None:
+        fbgemm(permute.to(torch.int32), rows, values, weights, n, rows_out, values_out, weights_out)
+        return
+    torch.index_select(rows, 0, permute, out=rows_out)
     for src, dst in ((values, values_out), (weights, weights_out)):
         if src is not None and order:
             slices = src.narrow(0, 0, in_total).split(row_sums)
             torch.cat([slices[p] for p in order], out=dst)
+
+
+# The dtypes fbgemm's CPU permute takes (fbgemm_gpu 1.8, 1.9).
+_FBGEMM_VALUES = frozenset((torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16))
+_FBGEMM_WEIGHTS = frozenset((torch.float32, torch.float64, torch.float16))
+
+
+def _fbgemm_cpu(values: torch.Tensor, weights: torch.Tensor | None):
+    """fbgemm's ``permute_2D_sparse_preallocated_out`` (fbgemm_gpu >= 1.8) if fbgemm_gpu is
+    loaded (recpipe never imports it) and takes these dtypes; else None. Its results are
+    fbgemm's own, bit for bit; it checks nothing, so ``_permute_cpu`` checks first."""
+    if "fbgemm_gpu" not in sys.modules or values.dtype not in _FBGEMM_VALUES:
+        return None
+    if weights is not None and weights.dtype not in _FBGEMM_WEIGHTS:
+        return None
+    return _fbgemm_preallocated_out()
+
+
+@functools.cache
+def _fbgemm_preallocated_out():
+    return getattr(torch.ops.fbgemm, "permute_2D_sparse_preallocated_out", None)
 
 
 def _permute_cuda(
@@ -490,6 +523,35 @@ def permute_2D_sparse_data(
     if _plain_eager(permute, lengths, values, weights, *args[5:]):
         return _permute(*args, direct=True)
     return torch.ops.recpipe.permute_2D_sparse_data(*args)
+
+
+def permute_into(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    lengths_out: torch.Tensor,
+    values_out: torch.Tensor,
+    weights_out: torch.Tensor | None,
+) -> PermuteResult:
+    """``permute_2D_sparse_data(permute, lengths, values, weights, n, lengths_out, values_out,
+    weights_out)`` without the op's checks of the arguments' metadata, for callers that made
+    the buffers from the same inputs (``recpipe.kjt``): its Python costs about as much host
+    time as the kernels, once per sharded module per step.
+
+    Contract (unchecked): eager, plain tensors, no autograd; ``lengths`` 1D or 2D; the buffers
+    contiguous, of the inputs' dtypes and device, with at least ``T' * B``, ``n`` and ``n``
+    elements (``weights_out`` given exactly when ``weights`` is). The data checks are the op's:
+    on CPU a bad permute index, a negative length or a wrong ``n`` raises, on CUDA it fails a
+    device-side assert. Returns the results in the front of the buffers, as the op does.
+    """
+    permute, lengths, values = permute.contiguous(), lengths.contiguous(), values.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    outs = (lengths_out, values_out, weights_out)
+    fronts = _fronts(outs, _out_shape(permute, lengths), n)
+    _write(permute, lengths, values, weights, n, fronts)
+    return fronts
 
 
 def _permute(

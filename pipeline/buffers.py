@@ -45,7 +45,7 @@ def on_main_stream(main: torch.cuda.Stream | None, make: Callable[[], T]) -> T:
     still be read by main's queued kernels). ``main=None`` (CPU): ``make()``."""
     if main is None:
         return make()
-    with torch.cuda.stream(main):
+    with main:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
         out = make()
         allocated = torch.cuda.Event()
         allocated.record(main)
@@ -182,7 +182,7 @@ class BufferRing:
             if side is None:
                 return lengths_out, *into_slot(permute, lengths, values, weights, total)[1:]
             side.wait_stream(torch.cuda.current_stream(side.device))
-            with torch.cuda.stream(side):
+            with side:
                 _, values_out, weights_out = into_slot(permute, lengths, values, weights, total)
                 event = torch.cuda.Event()
                 event.record(side)

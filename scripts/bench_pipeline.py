@@ -33,17 +33,13 @@ from torch.cuda import _sanitizer
 
 from recpipe.bench.configs import CONFIGS
 from recpipe.bench.variants import DENSE_ALLREDUCE, PIPELINES, pipeline_names
+from recpipe.kjt import kjt_nbytes
 from recpipe.testing.launch import rank_backend_device
 from recpipe.testing.synthetic import ModelSpec, build_sharded, deterministic_kernels, make_batch
 
 
 def kjt_bytes(batch) -> int:
-    total = 0
-    for kjt in batch.sparse.values():
-        for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none()):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
+    return sum(kjt_nbytes(kjt) for kjt in batch.sparse.values())
 
 
 def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> dict:

@@ -37,8 +37,8 @@ case "${1:-}" in
     [ "$ngpu" -ge 4 ] && k=""
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py -k "$k" \
       2>&1 | tee "$out/parity.log" | tail -3
-    csan_pipelines=torchrec,recpipe
-    [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe,recpipe_ring3
+    csan_pipelines=torchrec,recpipe_always  # the tiny config's batches are below min_batch_bytes
+    [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe_always,recpipe_ring3
     TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
       --warmup 2 --steps 8 --pipelines "$csan_pipelines" >"$out/csan.log" 2>&1
     echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \

@@ -32,11 +32,16 @@ def _is_recpipe_code(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(RECPIPE_DIRS) and "synthetic" not in filename
 
 
+class RingPipeline(TrainPipelineSparseDist):
+    ring_feature_permute = True  # P1's ring, also on CPU (the default there is torchrec's P1)
+    min_batch_bytes = 0  # for every batch, however small
+
+
 def _inert_and_narrow(rank: int, world: int, device: torch.device) -> dict:
     spec = ModelSpec()
     pg = torch.distributed.group.WORLD
     model, optimizer = build_sharded(spec, SHARDING, device, pg, seed=1)
-    ours = TrainPipelineSparseDist(model, optimizer, device)
+    ours = (RingPipeline if world == 1 else TrainPipelineSparseDist)(model, optimizer, device)
     data = list(batches(spec, STEPS, rank, seed=2))
     it = iter(data)
     for _ in range(STEPS):
@@ -75,7 +80,7 @@ def _check(results: list[dict], site: str) -> None:
 
 
 def test_one_rank_inert_outside_and_narrow_inside() -> None:
-    """World size 1: P1 (the feature-order permute) is redirected."""
+    """World size 1: P1 (the feature-order permute) is redirected (into the ring)."""
     _check(run_ranks(1, _inert_and_narrow), "input_dist")
 
 

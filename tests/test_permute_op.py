@@ -3,8 +3,10 @@ its permute_2D_sparse_preallocated_out), zero-copy, errors, autograd, opcheck, c
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from permute_cases import (
 )
 
 import recpipe.ops  # noqa: F401  (registers torch.ops.recpipe)
+import recpipe.ops.permute as permute_module
 from recpipe.ops import permute_2D_sparse_data
 
 OPS = [torch.ops.recpipe.permute_2D_sparse_data, torch.ops.recpipe.permute_sparse_data]
@@ -61,10 +64,12 @@ CASES = dict(
 )
 
 
+@pytest.mark.parametrize("cpu_kernel", ["fbgemm", "torch"])  # torch: where fbgemm is absent
 @settings(max_examples=60, deadline=None)
 @given(B=st.one_of(st.none(), st.integers(0, 9)), **CASES)
 def test_parity_with_fbgemm(
-    T, B, T_out, index_dtype, permute_dtype, values_dtype, weights_dtype, give_sum, seed
+    cpu_kernel, T, B, T_out, index_dtype, permute_dtype, values_dtype, weights_dtype, give_sum,
+    seed,
 ) -> None:
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         case = make_case(
@@ -73,8 +78,35 @@ def test_parity_with_fbgemm(
         ).to(device)
         ref = fbgemm_reference(case)
         n = int(ref[0].sum()) if give_sum else None
-        for op in CALLS:
-            assert_same(op(*case.args(), n), ref)
+        with _cpu_kernel(cpu_kernel):
+            for op in CALLS:
+                assert_same(op(*case.args(), n), ref)
+
+
+def _cpu_kernel(name: str):
+    """The CPU kernel behind the op: fbgemm's where installed (the default), or torch's."""
+    if name == "fbgemm":
+        return contextlib.nullcontext()
+    return mock.patch.object(permute_module, "_fbgemm_cpu", return_value=None)
+
+
+@pytest.mark.skipif(not HAS_FBGEMM_PREALLOCATED_OUT, reason="fbgemm_gpu < 1.8")
+@pytest.mark.parametrize(
+    "values_dtype, weights_dtype, fbgemm",
+    [(torch.int64, torch.float32, True), (torch.int32, None, True),
+     (torch.float64, None, False), (torch.int64, torch.bfloat16, False)],
+)
+def test_cpu_kernel_is_fbgemms_where_it_takes_the_dtypes(values_dtype, weights_dtype, fbgemm) -> None:
+    case = make_case(5, 3, 7, values_dtype=values_dtype, weights_dtype=weights_dtype)
+    ref = fbgemm_reference(case) if fbgemm else None
+    n = int(case.lengths[case.permute.long()].sum())
+    out = buffers(case, n)
+    spy = mock.MagicMock(wraps=torch.ops.fbgemm.permute_2D_sparse_preallocated_out)
+    with mock.patch.object(permute_module, "_fbgemm_preallocated_out", return_value=spy):
+        got = permute_2D_sparse_data(*case.args(), n, *out)
+    assert spy.call_count == int(fbgemm)
+    if ref is not None:
+        assert_same(got, ref)
 
 
 @pytest.mark.parametrize("B", [4, None], ids=["2D", "1D"])  # (fbgemm's preallocated op: 2D only)

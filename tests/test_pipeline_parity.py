@@ -27,16 +27,21 @@ EMPTY_AT = 7  # one batch without any ids
 GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
 
-class SplitPermutePipeline(TrainPipelineSparseDist):
+class RingEverywherePipeline(TrainPipelineSparseDist):
+    ring_feature_permute = True  # P1 into the ring on CPU and on several ranks too
+    min_batch_bytes = 0  # for every batch, however small
+
+
+class SmallBatchesPipeline(RingEverywherePipeline):
+    min_batch_bytes = 2**40  # every batch is small: torchrec's path after the first
+
+
+class SplitPermutePipeline(RingEverywherePipeline):
     split_input_dist_permute = True
 
 
-class WholePermutePipeline(TrainPipelineSparseDist):
+class WholePermutePipeline(RingEverywherePipeline):
     split_input_dist_permute = False  # one rank: the whole P1 into the depth-3 ring
-
-
-class RingEverywherePipeline(TrainPipelineSparseDist):
-    ring_feature_permute = True  # P1 into the ring on several ranks too
 
 
 class OutputsOnMainPipeline(TrainPipelineSparseDist):
@@ -67,6 +72,8 @@ def _train(
             out["redirected"] = asdict(pipeline.stats)
             out["ring_replaced"] = pipeline.ring_replaced
             out["split"] = pipeline.uses_split_permute
+            out["device"] = device.type
+            out["redirecting"] = pipeline.redirecting
     return out
 
 
@@ -80,12 +87,31 @@ if GPU2:
 
 
 def test_single_rank_feature_permute_bit_identical() -> None:
-    """World size 1: only the feature-order permute (P1) runs; by default split (lengths on
-    data_dist, values into the depth-2 ring on a side stream)."""
-    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
+    """World size 1: only the feature-order permute (P1) runs; with the ring (the default on
+    CUDA; forced here, for CPU) split: lengths on data_dist, values into the depth-2 ring on a
+    side stream."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, RingEverywherePipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
     assert r["split"] and r["ring_replaced"] == 0  # in steady state slots are reused in place
+
+
+def test_single_rank_default_redirects_p1_on_cuda_only() -> None:
+    """The default at world size 1: the ring on CUDA; on CPU torchrec's own P1 (no streams,
+    so a ring would only hold memory)."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
+    assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+    on_cuda = r["device"] == "cuda"
+    assert bool(r["redirected"].get("input_dist")) == on_cuda and r["split"] == on_cuda
+
+
+def test_single_rank_small_batches_take_torchrecs_path_after_the_first() -> None:
+    """Below ``min_batch_bytes`` the first batch's P1 is the last redirected one (its ring
+    slot and side-stream write still end as they began); the losses stay torchrec's."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SmallBatchesPipeline)
+    assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+    assert r["redirecting"] is False and r["split"]
+    assert r["redirected"]["input_dist"] == 3  # the first batch's: one P1 per sparse module
 
 
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
