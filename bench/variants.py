@@ -74,6 +74,11 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_ring3": _variant("RecpipeRing3Always", split_input_dist_permute=False, **_ALWAYS),
     "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2, **_ALWAYS),
     "recpipe_ring": _variant("RecpipeRing", ring_feature_permute=True, **_ALWAYS),  # every rank
+    # every free that applies (CPU, several ranks: the sent inputs given back a step early, the
+    # ring reused for every batch; torchrec's free_features_storage_early): the stress runs
+    "recpipe_all_frees": _with_options(
+        _variant("RecpipeAllFrees", ring_feature_permute=True, **_ALWAYS), **_EARLY_FREE
+    ),
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
     "recpipe_auto_ar": RecpipePipeline,
