@@ -272,7 +272,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
         waited on it)."""
-        owned = {t.untyped_storage().data_ptr() for t in self._copied.get(index, ())}
+        made = self._copied.get(index)
+        if not made:  # nothing the pipeline copied (CPU, free_inputs_early off, the decision)
+            return
+        owned = {t.untyped_storage().data_ptr() for t in made}
         for kjt in {id(k): k for k in inputs}.values():
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 

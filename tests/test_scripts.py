@@ -48,6 +48,15 @@ def _run(*args: str, compile: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
 
 
+def test_profile_host_compares_two_pipelines() -> None:
+    r = _run(str(SCRIPTS / "profile_host.py"), "--config=tiny", "--pipelines=torchrec,recpipe_ring",
+             "--warmup=2", "--steps=3", "--rows=5", compile=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines[:2]] == ["torchrec", "recpipe_ring"]
+    assert "Python calls/step" in lines[1] and "second - first" in lines[2] and len(lines) == 8
+
+
 def test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant(tmp_path: Path) -> None:
     """Two anchors (torchrec's SparseDist and SparseDistLite; Base is built as SparseDist is)
     and recpipe with its compiled dense all-reduce run side by side; their runs make the
