@@ -340,8 +340,21 @@ def _into(
     weights_out: torch.Tensor | None,
 ) -> None:
     """The primitive's kernel on every device: the device kernel on the buffers' fronts."""
-    outs = (lengths_out, values_out, weights_out)
-    _write(permute, lengths, values, weights, n, _fronts(outs, _out_shape(permute, lengths), n))
+    _write_fronts(permute, lengths, values, weights, n, (lengths_out, values_out, weights_out))
+
+
+def _write_fronts(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    n: int,
+    outs: Sequence[torch.Tensor | None],
+) -> PermuteResult:
+    """The device kernel into the fronts of ``outs`` (lengths, values, weights); returns them."""
+    fronts = _fronts(outs, _out_shape(permute, lengths), n)
+    _write(permute, lengths, values, weights, n, fronts)
+    return fronts
 
 
 @torch.library.custom_op(
@@ -548,10 +561,7 @@ def permute_into(
     """
     permute, lengths, values = permute.contiguous(), lengths.contiguous(), values.contiguous()
     weights = None if weights is None else weights.contiguous()
-    outs = (lengths_out, values_out, weights_out)
-    fronts = _fronts(outs, _out_shape(permute, lengths), n)
-    _write(permute, lengths, values, weights, n, fronts)
-    return fronts
+    return _write_fronts(permute, lengths, values, weights, n, (lengths_out, values_out, weights_out))
 
 
 def _permute(
@@ -589,9 +599,7 @@ def _permute(
     if not direct:
         torch.ops.recpipe._permute_2D_sparse_data_into(permute, lengths, values, weights, n, *outs)
         return _fronts(outs, lengths_shape, n)
-    result = _fronts(outs, lengths_shape, n)
-    _write(permute, lengths, values, weights, n, result)
-    return result
+    return _write_fronts(permute, lengths, values, weights, n, outs)
 
 
 def _differentiable(
