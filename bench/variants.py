@@ -49,6 +49,7 @@ _LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
              clear_data_dist_inputs=True)
 # the ring and the early frees for every batch, however small (sanitizer and ablation runs)
 _ALWAYS = dict(min_batch_bytes=0)
+_RING = dict(ring_feature_permute=True, **_ALWAYS)  # also on CPU
 _A2A_MAIN = _variant("RecpipeA2AMain", all_to_all_outputs_on_main=True)
 
 PIPELINES: dict[str, Callable] = {
@@ -71,14 +72,9 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
     "recpipe_async": _with_options(RecpipePipeline, **_ASYNC),  # + torchrec's copy worker
     # world size 1: the whole P1 into a depth-3 ring (depth 2: the host waits for main)
-    "recpipe_ring3": _variant("RecpipeRing3Always", split_input_dist_permute=False, **_ALWAYS),
-    "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2, **_ALWAYS),
-    "recpipe_ring": _variant("RecpipeRing", ring_feature_permute=True, **_ALWAYS),  # every rank
-    # every free that applies (CPU, several ranks: the sent inputs given back a step early, the
-    # ring reused for every batch; torchrec's free_features_storage_early): the stress runs
-    "recpipe_all_frees": _with_options(
-        _variant("RecpipeAllFrees", ring_feature_permute=True, **_ALWAYS), **_EARLY_FREE
-    ),
+    "recpipe_ring3": _variant("RecpipeRing3", split_input_dist_permute=False, **_RING),
+    "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2, **_RING),
+    "recpipe_ring": _variant("RecpipeRing", **_RING),  # also on several ranks
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
     "recpipe_auto_ar": RecpipePipeline,

@@ -53,7 +53,8 @@ class PermuteBuffers:
                 return False
             need.append((self.weights, spec.num_values, spec.weights_dtype))
         return all(
-            t.numel() >= n and t.dtype == d and t.device == spec.device for t, n, d in need
+            t.numel() >= n and t.dtype == d and t.device == spec.device and t.is_contiguous()
+            for t, n, d in need
         )
 
 
@@ -134,7 +135,7 @@ def write_into(alloc: Allocator) -> Runner:
         buffers = alloc(permute_spec(permute, lengths, values, weights, total))
         return permute_into(
             permute, lengths, values, weights, total,
-            buffers.lengths, buffers.values, buffers.weights,
+            buffers.lengths, buffers.values, None if weights is None else buffers.weights,
         )
 
     return run

@@ -35,11 +35,10 @@ def release_storage(kjt: KeyedJaggedTensor, owned: Container[int]) -> int:
     return freed
 
 
-
 def kjt_nbytes(kjt: KeyedJaggedTensor) -> int:
     """Bytes of ``kjt``'s values, weights and lengths (what a permute of it reads and writes)."""
     return sum(
         t.numel() * t.element_size()
-        for t in (kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none())
+        for t in (kjt.values(), kjt.weights_or_none(), kjt.lengths())
         if t is not None
     )

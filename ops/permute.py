@@ -553,15 +553,20 @@ def permute_into(
     the buffers from the same inputs (``recpipe.kjt``): its Python costs about as much host
     time as the kernels, once per sharded module per step.
 
-    Contract (unchecked): eager, plain tensors, no autograd; ``lengths`` 1D or 2D; the buffers
+    Under tracing, a mode (``TORCH_CUDA_SANITIZER``'s) or tensor subclasses it is the op itself,
+    checks included. Contract (unchecked): no autograd; ``lengths`` 1D or 2D; the buffers
     contiguous, of the inputs' dtypes and device, with at least ``T' * B``, ``n`` and ``n``
     elements (``weights_out`` given exactly when ``weights`` is). The data checks are the op's:
     on CPU a bad permute index, a negative length or a wrong ``n`` raises, on CUDA it fails a
     device-side assert. Returns the results in the front of the buffers, as the op does.
     """
+    outs = (lengths_out, values_out, weights_out)
+    if not _plain_eager(permute, lengths, values, weights, *outs):  # e.g. the CUDA sanitizer's
+        # dispatch mode: through the op, which declares what it writes
+        return torch.ops.recpipe.permute_2D_sparse_data(permute, lengths, values, weights, n, *outs)
     permute, lengths, values = permute.contiguous(), lengths.contiguous(), values.contiguous()
     weights = None if weights is None else weights.contiguous()
-    return _write_fronts(permute, lengths, values, weights, n, (lengths_out, values_out, weights_out))
+    return _write_fronts(permute, lengths, values, weights, n, outs)
 
 
 def _permute(

@@ -203,6 +203,19 @@ class BufferRing:
             event.record(self._main)
             slot.released = event
 
+    def drop_done(self) -> None:
+        """Give back the memory of every slot whose last use is done: released, and its event
+        on main completed (``query``: never waits). For a pipeline that stopped using the ring;
+        a later :meth:`allocator` call would allocate anew. Safe because every stream that
+        touched a slot (data_dist, the side stream) is ordered before main's release event."""
+        for slot in self._slots:
+            released = slot.released
+            done = released is True or (
+                isinstance(released, torch.cuda.Event) and released.query()
+            )
+            if slot.buffers and done:
+                slot.buffers, slot.owner = [], None
+
     def _wait_released(self, slot: _Slot) -> None:
         current = None if self._main is None else torch.cuda.current_stream(self._main.device)
         if isinstance(slot.released, torch.cuda.Event):

@@ -96,13 +96,16 @@ def diff(first: dict, second: dict, steps: int, rows: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="small", choices=sorted(CONFIGS))
+    p.add_argument("--config", default="small", choices=sorted(CONFIGS),
+                   help="the model and batch (recpipe.bench.configs; default: small)")
     p.add_argument("--pipelines", default="torchrec,recpipe", type=pipeline_names,
                    help="two, comma-separated: the second is compared with the first")
-    p.add_argument("--sharding", default="table_wise,column_wise")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--rows", type=int, default=30, help="lines of the diff")
+    p.add_argument("--sharding", default="table_wise,column_wise",
+                   help="comma-separated sharding types (default: table_wise,column_wise)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default: 20)")
+    p.add_argument("--steps", type=int, default=50,
+                   help="steps per measurement: calls, cProfile, each of 5 timings (default: 50)")
+    p.add_argument("--rows", type=int, default=30, help="lines of the diff (default: 30)")
     a = p.parse_args()
     if len(a.pipelines) != 2:
         p.error("--pipelines takes two names")

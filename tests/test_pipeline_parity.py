@@ -74,6 +74,7 @@ def _train(
             out["split"] = pipeline.uses_split_permute
             out["device"] = device.type
             out["redirecting"] = pipeline.redirecting
+            out["ring_nbytes"] = pipeline.ring_nbytes
     return out
 
 
@@ -107,10 +108,11 @@ def test_single_rank_default_redirects_p1_on_cuda_only() -> None:
 
 def test_single_rank_small_batches_take_torchrecs_path_after_the_first() -> None:
     """Below ``min_batch_bytes`` the first batch's P1 is the last redirected one (its ring
-    slot and side-stream write still end as they began); the losses stay torchrec's."""
+    slot and side-stream write still end as they began, then the slot's memory goes back);
+    the losses stay torchrec's."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SmallBatchesPipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
-    assert r["redirecting"] is False and r["split"]
+    assert r["redirecting"] is False and r["split"] and r["ring_nbytes"] == 0
     assert r["redirected"]["input_dist"] == 3  # the first batch's: one P1 per sparse module
 
 
