@@ -5,6 +5,7 @@
 #        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
 #        pipeline-bench: large config, 5 alternating runs per pipeline
 #   bash scripts/gpu_checks.sh pipeline-shared  # 1 GPU: 2 gloo ranks share it (P2 on CUDA)
+#   bash scripts/gpu_checks.sh host       # 1 GPU: host cost, one process and the small config's 7 runs
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: allreduce-checks + allreduce-bench
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
 #        allreduce-bench: step time with each dense all-reduce, 5 alternating runs, small and
@@ -59,6 +60,14 @@ case "${1:-}" in
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
   pipeline-checks) ;;
+  host)  # 1 GPU, host-bound: both pipelines in one process (calls per step, step time), then
+    # the small config's 7 alternating runs in fresh processes
+    python3 scripts/profile_host.py --config small --pipelines torchrec,recpipe 2>/dev/null \
+      | tee "$out/profile_small.txt" | head -2
+    python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 10 --steps 100 \
+      --pipelines torchrec,recpipe --json "$out/small.json" --out "$out/small.md" 2>&1 \
+      | tee "$out/small.log" | grep -E "^\||vs|rror"
+    ;;
   pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the
     # multi-rank path (the all-to-all, P2) runs on real CUDA streams: parity incl. row-wise and
     # per-rank memory at the large size (timings mean nothing: gloo goes via host). No sanitizer:
