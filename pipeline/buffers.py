@@ -209,11 +209,10 @@ class BufferRing:
         a later :meth:`allocator` call would allocate anew. Safe because every stream that
         touched a slot (data_dist, the side stream) is ordered before main's release event."""
         for slot in self._slots:
+            if not slot.buffers:
+                continue
             released = slot.released
-            done = released is True or (
-                isinstance(released, torch.cuda.Event) and released.query()
-            )
-            if slot.buffers and done:
+            if released is True or (isinstance(released, torch.cuda.Event) and released.query()):
                 slot.buffers, slot.owner = [], None
 
     def _wait_released(self, slot: _Slot) -> None:

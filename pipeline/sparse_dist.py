@@ -377,7 +377,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
-        if self.redirecting is False and self._ring.nbytes:
+        if self.redirecting is False:
             self._ring.drop_done()  # the first batch's slot, once main is done with it
         self._copied.pop(self.contexts[0].index, None)
         self._received.pop(self.contexts[0].index, None)
