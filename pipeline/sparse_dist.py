@@ -181,6 +181,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 async_inplace_copy=async_inplace_copy,
             ),
         )
+        limit = self.min_batch_bytes
+        if type(limit) is not int or limit < 0:
+            raise ValueError(
+                f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {limit!r}"
+            )
         cuda = self._device.type == "cuda"
         main = torch.cuda.current_stream(self._device) if cuda else None
         world = _world_size(self._model)

@@ -116,6 +116,22 @@ def test_single_rank_small_batches_take_torchrecs_path_after_the_first() -> None
     assert r["redirected"]["input_dist"] == 3  # the first batch's: one P1 per sparse module
 
 
+def _with_min_batch_bytes(rank: int, world: int, device: torch.device, value: object) -> str:
+    model, optimizer = build_sharded(ModelSpec(), ["table_wise"], device, torch.distributed.group.WORLD)
+    cls = type("Limited", (TrainPipelineSparseDist,), {"min_batch_bytes": value})
+    try:
+        cls(model, optimizer, device)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("value", [-1, "64MiB", 1.5])
+def test_bad_min_batch_bytes_is_named(value: object) -> None:
+    (message,) = run_ranks(1, _with_min_batch_bytes, value)
+    assert message == f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {value!r}"
+
+
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
     """``split_input_dist_permute = False``: the whole P1 into the depth-3 ring."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, WholePermutePipeline)
