@@ -66,6 +66,7 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_always": _variant("RecpipeAlways", **_ALWAYS),
     "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
     "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
+    "recpipe_no_copy_ring": _variant("RecpipeNoCopyRing", copy_ring=False),
     "recpipe_a2a_main": _A2A_MAIN,
     "recpipe_a2a_main_lean": _with_options(_A2A_MAIN, **_LEAN),
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option

@@ -1,6 +1,6 @@
 """recpipe.kjt: permute KeyedJaggedTensors into buffers sized from host metadata."""
 
-from recpipe.kjt.copy import copy_batch
+from recpipe.kjt.copy import Destination, copy_batch
 from recpipe.kjt.permute import (
     Allocator,
     PermuteBuffers,
@@ -18,6 +18,7 @@ from recpipe.kjt.storage import kjt_nbytes, release_storage
 
 __all__ = [
     "Allocator",
+    "Destination",
     "PermuteBuffers",
     "PermuteInto",
     "PermuteSpec",

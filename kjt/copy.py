@@ -15,6 +15,7 @@ strides) stays what the batch's ``to`` makes of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -22,27 +23,39 @@ from torch.overrides import TorchFunctionMode
 
 T = TypeVar("T")
 
+#: ``into(k, src)``: the device tensor (``src``'s shape and dtype) that the batch's ``k``-th
+#: host-to-device copy writes, on the copy stream; it orders that stream after the memory's last
+#: readers itself. None: a fresh allocation.
+Destination = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
 
 class _CopyOn(TorchFunctionMode):
-    """Inside: ``t.to(device, ...)`` of a host tensor is recorded in ``made``; with ``inplace``
-    it allocates on the current stream and copies on ``stream``. Other calls run unchanged."""
+    """Inside: ``t.to(device, ...)`` of a host tensor is recorded in ``made``; the ``k``-th goes
+    into ``into(k, t)`` where that gives a tensor; else, with ``inplace``, it allocates on the
+    current stream and copies on ``stream``. Other calls run unchanged."""
 
     def __init__(
-        self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor], inplace: bool
+        self, device: torch.device, stream: torch.Stream, made: list[torch.Tensor], inplace: bool,
+        into: Destination | None,
     ) -> None:
         super().__init__()
         self.device, self.stream, self.made, self.inplace = device, stream, made, inplace
+        self.into = into
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not torch.Tensor.to or not self._is_host_to_device(args, kwargs):
             return func(*args, **kwargs)
-        if self.inplace:
-            src = args[0]
+        src, non_blocking = args[0], kwargs.get("non_blocking", False)
+        out = None if self.into is None else self.into(len(self.made), src)
+        if out is not None:
+            with self.stream:
+                out.copy_(src, non_blocking=non_blocking)
+        elif self.inplace:
             out = torch.empty_like(src, device=self.device)  # on the current stream
             self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
             with self.stream:
-                out.copy_(src, non_blocking=kwargs.get("non_blocking", False))
+                out.copy_(src, non_blocking=non_blocking)
         else:
             out = func(*args, **kwargs)
         self.made.append(out)
@@ -67,7 +80,7 @@ def _indexed(device: torch.device) -> torch.device:
 
 def copy_batch(
     batch: T, device: torch.device, stream: torch.Stream | None,
-    made: list[torch.Tensor] | None = None, inplace: bool = True,
+    made: list[torch.Tensor] | None = None, inplace: bool = True, into: Destination | None = None,
 ) -> T:
     """``batch.to(device, non_blocking=True)`` with every host-to-device copy on ``stream``.
 
@@ -79,12 +92,16 @@ def copy_batch(
     the consumer must ``record_stream``). Host tensors must stay valid until the copy ends
     (pinned memory: the host allocator tracks it).
 
-    ``made`` (if given) gets every tensor the copy allocated: what the caller owns, as opposed
-    to tensors that ``to`` returned as they were (already on ``device``).
+    ``made`` (if given) gets every tensor the copy wrote, in the order of the ``to`` calls: the
+    caller's (and ``into``'s) memory, as opposed to tensors that ``to`` returned as they were
+    (already on ``device``). ``into`` (see :data:`Destination`) may give the ``k``-th its
+    memory.
     ``stream=None`` (CPU pipelines): a plain ``batch.to(device, non_blocking=True)``.
     """
     if stream is None:
         return batch.to(device, non_blocking=True)
-    mode = _CopyOn(_indexed(torch.device(device)), stream, [] if made is None else made, inplace)
+    mode = _CopyOn(
+        _indexed(torch.device(device)), stream, [] if made is None else made, inplace, into
+    )
     with torch.cuda.stream(torch.cuda.current_stream() if inplace else stream), mode:
         return batch.to(device, non_blocking=True)

@@ -13,6 +13,9 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   that last used the slot was queued a step earlier, so the wait costs nothing and no host sync
   on data_dist waits for main's queued work. Split permute (:meth:`BufferRing.split_runner`,
   2 slots, values/weights only): written on a side stream, which alone waits for the slot.
+
+And one for the host-to-device copy (:class:`CopyRing`): pipeline-owned memory for the batch
+tensors that the input dists alone read, reused once data_dist has queued those reads.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from recpipe.kjt import (
     Allocator,
+    Destination,
     PermuteBuffers,
     PermuteSpec,
     Runner,
@@ -211,8 +215,7 @@ class BufferRing:
         for slot in self._slots:
             if not slot.buffers:
                 continue
-            released = slot.released
-            if released is True or (isinstance(released, torch.cuda.Event) and released.query()):
+            if _done(slot.released):
                 slot.buffers, slot.owner = [], None
 
     def _wait_released(self, slot: _Slot) -> None:
@@ -235,6 +238,120 @@ class BufferRing:
         )
 
 
+@dataclass
+class _CopySlot:
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # copy position -> bytes
+    owner: int | None = None  # index of the batch that last wrote this slot
+    served: set[int] = field(default_factory=set)  # the positions the owner got from the slot
+    released: torch.cuda.Event | bool = True  # after the owner's last reader; False: not yet
+
+
+class CopyRing:
+    """Pipeline-owned memory for the host-to-device copies of the batch tensors that only the
+    input dists read (the P1 inputs, which the pipeline frees early): ``depth`` slots, batch ``i``
+    uses slot ``i % depth``, one buffer per copy position (the ``k``-th ``to`` of the batch).
+
+    Why: a copied batch belongs to the memcpy stream's pool, with data_dist and main recorded on
+    it (torchrec's ``record_stream``). Freed early, its memory returns to the pool only once
+    their work queued so far is done; with the host a step or more ahead of the GPU the next copy
+    finds it pending and takes a new segment (measured on 1 H100, large config: 3 batch-sized
+    segments in that pool, 2 of them live). Here the copy stream waits on the device for the
+    event after the slot's last reader instead, and the memory is written again.
+
+    Contract (streams): :meth:`destination` gives the copy of batch ``i`` (on ``stream``, the
+    copy stream, current during the copy). The positions served are those that the last early
+    release named (P1 inputs), in a batch of the same structure; on its first served tensor,
+    ``stream`` waits for the slot's release event. :meth:`release_early` (the input dists' reads
+    are queued on the given stream) releases the slot only if every served tensor was a P1
+    input, and empties them (``set_()``), so that nothing reads a later batch's data through
+    them; else :meth:`release_late` (main, end of the step; main waited on data_dist in the
+    forward) does. A slot still unreleased when its turn comes, or whose memory someone else
+    still holds, gets fresh memory (the old goes back to the allocator, which knows its streams).
+    """
+
+    def __init__(self, depth: int = 2) -> None:
+        self._slots = [_CopySlot() for _ in range(depth)]
+        self._positions: frozenset[int] = frozenset()
+        #: buffers given new memory because a tensor outside the ring still used them
+        self.replaced = 0
+
+    def destination(self, batch_index: int, stream: torch.cuda.Stream) -> Destination:
+        """Batch ``batch_index``'s destinations (call it for each batch, in copy order)."""
+        slot = self._slots[batch_index % len(self._slots)]
+        wait = slot.released
+        if wait is False:  # the previous owner may still be read: leave it its memory
+            slot.buffers = {}
+        slot.owner, slot.served, slot.released = batch_index, set(), False
+        positions = self._positions
+
+        def into(k: int, src: torch.Tensor) -> torch.Tensor | None:
+            nonlocal wait
+            if k not in positions or not src.is_contiguous():
+                return None
+            if not isinstance(wait, bool):  # the release event
+                stream.wait_event(wait)
+            wait = True
+            size = src.numel() * src.element_size()
+            buffer = slot.buffers.get(k)
+            if buffer is not None and buffer.numel() >= size and _users(buffer) > 2:
+                self.replaced += 1
+                buffer = None
+            if buffer is None or buffer.numel() < size:  # on the current (copy) stream
+                buffer = torch.empty(size + size // _HEADROOM, dtype=torch.uint8, device=stream.device)
+                slot.buffers[k] = buffer
+            slot.served.add(k)
+            # on the storage, not a view: emptied later with set_(), it keeps no reference
+            return torch.empty(0, dtype=src.dtype, device=buffer.device).set_(
+                buffer.untyped_storage(), 0, src.shape
+            )
+
+        return into
+
+    def release_early(
+        self, batch_index: int, made: list[torch.Tensor], inputs: set[int], stream: torch.cuda.Stream
+    ) -> set[int]:
+        """Batch ``batch_index``'s copies ``made`` (in copy order), of which the positions whose
+        storage is in ``inputs`` (data pointers) are P1 inputs, all of whose readers are queued on
+        ``stream``. Learns those positions for the next batches; returns the positions that the
+        ring served (the caller must not free their storage)."""
+        positions = {k for k, t in enumerate(made) if t.untyped_storage().data_ptr() in inputs}
+        self._positions = frozenset(positions)
+        slot = self._slots[batch_index % len(self._slots)]
+        if slot.owner != batch_index:
+            return set()
+        if slot.served <= positions:
+            slot.released = stream.record_event()
+            for k in slot.served:
+                made[k].set_()
+        return slot.served
+
+    def release_late(self, batch_index: int, main: torch.cuda.Stream) -> None:
+        """Batch ``batch_index``'s step is queued on ``main``: a slot it still holds is released
+        once main's queued work is done."""
+        slot = self._slots[batch_index % len(self._slots)]
+        if slot.owner == batch_index and slot.released is False:
+            slot.released = main.record_event()
+
+    def drop_done(self) -> None:
+        """Give back the memory of every slot whose last use is done (``query``: never waits)."""
+        for slot in self._slots:
+            if slot.buffers and _done(slot.released):
+                slot.buffers, slot.owner = {}, None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for slot in self._slots for b in slot.buffers.values())
+
+
+def _done(released: torch.cuda.Event | bool) -> bool:
+    return released if isinstance(released, bool) else released.query()
+
+
+def _users(t: torch.Tensor) -> int:
+    """Owners of ``t``'s storage: ``t``, the storage object made for this call, others."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 def _views(buffers: PermuteBuffers) -> PermuteBuffers:
     """New tensors on the same memory: the ring keeps its own tensors to itself, so that any
     live tensor on a slot's storage beyond them is a result someone still holds."""
@@ -247,10 +364,10 @@ def _held_outside(buffers: PermuteBuffers, stale_refs: Callable[[torch.Tensor], 
     """Whether a tensor other than the ring's own and the ``stale_refs`` still uses
     ``buffers``' memory."""
     # The storage's owners: the ring's tensor, the storage object made for this call, the
-    # stale references, others.
+    # stale references, others (:func:`_users`).
     for t in (buffers.lengths, buffers.values, buffers.weights):
         if t is not None:
-            users = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+            users = _users(t)
             if users > 2 and users > 2 + stale_refs(t):  # (counted only when needed)
                 return True
     return False

@@ -25,6 +25,10 @@ where the two permutes of the sparse input distribution write (docs/design.md):
 - The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
   dists are queued, as torchrec >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
   and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
+- The copies of those inputs (``copy_ring``, world size 1): into a pipeline-owned
+  :class:`~recpipe.pipeline.buffers.CopyRing` of 2 slots, written again once data_dist has
+  queued the input dists' reads, instead of fresh memcpy-stream memory that returns to the pool
+  only when data_dist's queued work is done.
 - The batch copy itself (``inplace_copy_batch``, off by default): main-stream memory for any
   ``Pipelineable`` (:func:`recpipe.kjt.copy_batch`).
 
@@ -67,7 +71,13 @@ from recpipe.kjt import (
     release_storage,
     write_into,
 )
-from recpipe.pipeline.buffers import BufferRing, EmptyOnMain, SideWrite, main_stream_allocator
+from recpipe.pipeline.buffers import (
+    BufferRing,
+    CopyRing,
+    EmptyOnMain,
+    SideWrite,
+    main_stream_allocator,
+)
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
@@ -131,6 +141,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: a model whose forward reads the sparse features only through the pipelined (sharded)
     #: modules, as torchrec's option does.
     free_inputs_early: bool = True
+    #: Copy the P1 inputs that ``free_inputs_early`` frees into a pipeline-owned 2-slot ring
+    #: (:class:`~recpipe.pipeline.buffers.CopyRing`): the copy stream waits on the device for
+    #: the event after the input dists' reads of the batch two back, instead of taking a new
+    #: segment while that batch's memory waits for data_dist's queued work. None (default):
+    #: wherever the inputs are freed early and copied by torchrec's path (not
+    #: ``inplace_copy_batch``), at world size 1; True: at any world size too.
+    copy_ring: bool | None = None
     #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
     #: on the main stream (:class:`~recpipe.pipeline.buffers.EmptyOnMain`), so that they come
     #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
@@ -230,6 +247,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._enable_inplace_copy_batch = True  # torchrec's flag: no record_stream(main)
         # only the pipeline's own copies are freed (CPU: .to() copies nothing)
         self._free_inputs = cuda and self.free_inputs_early
+        copy_ring = self.copy_ring
+        if copy_ring is None:
+            copy_ring = world == 1
+        #: whether batches may be copied into the copy ring (``_use_copy_ring``: from now on)
+        self._copy_ring_on = copy_ring and self._free_inputs and not self.inplace_copy_batch
+        self._use_copy_ring = self._copy_ring_on
+        self._copy_ring = CopyRing()
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._kjt_type = redirecting_kjt_type(
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
@@ -276,16 +300,27 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         size = sum(kjt_nbytes(k) for k in {id(k): k for k in inputs}.values())
         self.redirecting = size >= self.min_batch_bytes
         if not self.redirecting:
-            self._use_ring = self._free_inputs = False
+            self._use_ring = self._free_inputs = self._use_copy_ring = False
 
     def _release_inputs(self, index: int, inputs: list[KeyedJaggedTensor]) -> None:
         """Free the storage of batch ``index``'s P1 inputs that the pipeline's own copy made
         (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
-        waited on it)."""
-        owned = {t.untyped_storage().data_ptr() for t in self._copied.get(index, ())}
-        for kjt in {id(k): k for k in inputs}.values():
+        waited on it). Tensors that the copy ring served go back to the ring instead."""
+        kjts = {id(k): k for k in inputs}.values()
+        made = self._copied.get(index, [])
+        served: set[int] = set()
+        if self._copy_ring_on:  # (also for batches copied before a decision turned it off)
+            storages = {
+                t.untyped_storage().data_ptr()
+                for kjt in kjts
+                for t in (kjt.values(), kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.weights_or_none())
+                if t is not None
+            }
+            served = self._copy_ring.release_early(index, made, storages - {0}, self._data_dist_stream)
+        owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
+        for kjt in kjts:
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 
     def copy_batch_to_gpu(
@@ -317,7 +352,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if executor is not None:  # the worker allocates on this thread's current stream
                 consumer = torch.cuda.current_stream(self._device)
                 return executor.submit(self._copy_on, consumer, batch, made), context
-            batch = copy_batch(batch, self._device, self._memcpy_stream, made, inplace)
+            into = None
+            if self._use_copy_ring and not inplace:
+                into = self._copy_ring.destination(context.index, self._memcpy_stream)
+            batch = copy_batch(batch, self._device, self._memcpy_stream, made, inplace, into)
         elif not self._execute_all_batches:
             raise StopIteration
         return batch, context
@@ -382,8 +420,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
-        if self.redirecting is False:
-            self._ring.drop_done()  # the first batch's slot, once main is done with it
+        if self._copy_ring_on:
+            self._copy_ring.release_late(self.contexts[0].index, self._main)
+        if self.redirecting is False:  # the first batches' slots, once main is done with them
+            self._ring.drop_done()
+            self._copy_ring.drop_done()
         self._copied.pop(self.contexts[0].index, None)
         self._received.pop(self.contexts[0].index, None)
         super().dequeue_batch()
@@ -392,6 +433,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def ring_nbytes(self) -> int:
         """Bytes held by the pipeline-owned P1 buffers."""
         return self._ring.nbytes
+
+    @property
+    def copy_ring_nbytes(self) -> int:
+        """Bytes held by the pipeline-owned copy buffers (``copy_ring``)."""
+        return self._copy_ring.nbytes
 
     @property
     def ring_replaced(self) -> int:

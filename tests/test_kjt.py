@@ -9,7 +9,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.kjt import PermuteInto, allocate, kjt_permute_spec, permute_kjt, write_into
-from recpipe.pipeline.buffers import BufferRing
+from recpipe.pipeline.buffers import BufferRing, CopyRing
 
 
 def _kjt(weighted: bool = True, seed: int = 0) -> KeyedJaggedTensor:
@@ -128,3 +128,83 @@ def test_ring_never_overwrites_a_result_still_held() -> None:
     del kept, reused
     ring.allocator(4)(spec)  # nothing held any more: the slot's memory is reused again
     assert ring.replaced == 1
+
+
+class _Event:
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """A CPU stand-in for the copy / data_dist stream: records the events it waits on."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.waited: list[_Event] = []
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited.append(event)
+
+    def record_event(self) -> _Event:
+        return _Event()
+
+
+def _copy(ring: CopyRing, index: int, stream: _Stream, fill: int) -> list[torch.Tensor]:
+    """Batch ``index``'s copies through the ring: a dense tensor, then a KJT's values and
+    lengths (what ``copy_batch`` does, with plain ``copy_``)."""
+    into = ring.destination(index, stream)
+    made = []
+    for k, src in enumerate((torch.full((4, 3), fill), torch.full((100,), fill), torch.full((8,), fill))):
+        out = into(k, src)
+        made.append(src.clone() if out is None else out.copy_(src))
+    return made
+
+
+def _ptrs(*tensors: torch.Tensor) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_copy_ring_serves_the_early_freed_positions_and_reuses_a_released_slot() -> None:
+    ring, stream = CopyRing(depth=2), _Stream()
+    first = _copy(ring, 0, stream, 0)  # nothing learned yet: all fresh
+    assert ring.release_early(0, first, _ptrs(*first[1:]), stream) == set() and ring.nbytes == 0
+    b1 = _copy(ring, 1, stream, 1)  # the values and lengths (positions 1, 2) come from the ring
+    memory = _ptrs(*b1[1:])
+    assert ring.release_early(1, b1, memory, stream) == {1, 2}
+    assert b1[1].numel() == 0 and b1[2].numel() == 0  # emptied: nothing reads batch 3's data
+    assert b1[0].numel() == 12  # the dense tensor is main's: left alone
+    b3 = _copy(ring, 3, stream, 3)  # batch 1's slot: waits for its release, same memory
+    assert _ptrs(*b3[1:]) == memory and len(stream.waited) == 1 and bool((b3[1] == 3).all())
+    assert ring.replaced == 0 and ring.nbytes > 0
+
+
+def test_copy_ring_keeps_a_slot_whose_tensors_were_not_all_freed_early() -> None:
+    """A served tensor that was not a P1 input (the batch's structure changed) may be read by
+    main: the slot waits for main's release, and a copy before it gets fresh memory."""
+    ring, stream = CopyRing(depth=2), _Stream()
+    first = _copy(ring, 0, stream, 0)
+    ring.release_early(0, first, _ptrs(*first[1:]), stream)
+    b2 = _copy(ring, 2, stream, 2)
+    assert ring.release_early(2, b2, _ptrs(b2[1]), stream) == {1, 2}  # lengths: not an input
+    assert b2[2].numel() == 8  # not emptied: someone else reads it
+    b4 = _copy(ring, 4, stream, 4)  # slot not released: fresh memory, batch 2's data kept
+    assert not _ptrs(*b4[1:]) & _ptrs(*b2[1:]) and bool((b2[2] == 2).all())
+    ring.release_late(4, stream)  # (only the values are served now: the learned positions)
+    values = _ptrs(b4[1])
+    del b4  # the batch is dropped after its step
+    b6 = _copy(ring, 6, stream, 6)  # released by main: reused
+    assert _ptrs(b6[1]) == values and ring.replaced == 0
+
+
+def test_copy_ring_never_overwrites_memory_still_held() -> None:
+    ring, stream = CopyRing(depth=2), _Stream()
+    first = _copy(ring, 0, stream, 0)
+    ring.release_early(0, first, _ptrs(*first[1:]), stream)
+    b2 = _copy(ring, 2, stream, 2)
+    kept = b2[1][:10]  # a view someone kept before the release
+    lengths = _ptrs(b2[2])
+    ring.release_early(2, b2, _ptrs(*b2[1:]), stream)
+    b4 = _copy(ring, 4, stream, 4)
+    assert bool((kept == 2).all()) and ring.replaced == 1 and not _ptrs(b4[1]) & _ptrs(kept)
+    assert _ptrs(b4[2]) == lengths  # nobody holds the lengths: reused

@@ -75,6 +75,7 @@ def _train(
             out["device"] = device.type
             out["redirecting"] = pipeline.redirecting
             out["ring_nbytes"] = pipeline.ring_nbytes
+            out["copy_ring_nbytes"] = pipeline.copy_ring_nbytes
     return out
 
 
@@ -95,6 +96,8 @@ def test_single_rank_feature_permute_bit_identical() -> None:
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
     assert r["split"] and r["ring_replaced"] == 0  # in steady state slots are reused in place
+    # the copies of the inputs go to the copy ring on CUDA (on CPU nothing is copied)
+    assert (r["copy_ring_nbytes"] > 0) == (r["device"] == "cuda")
 
 
 def test_single_rank_default_redirects_p1_on_cuda_only() -> None:
@@ -113,6 +116,7 @@ def test_single_rank_small_batches_take_torchrecs_path_after_the_first() -> None
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SmallBatchesPipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirecting"] is False and r["split"] and r["ring_nbytes"] == 0
+    assert r["copy_ring_nbytes"] == 0
     assert r["redirected"]["input_dist"] == 3  # the first batch's: one P1 per sparse module
 
 
