@@ -67,6 +67,8 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
     "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
     "recpipe_no_copy_ring": _variant("RecpipeNoCopyRing", copy_ring=False),
+    # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)
+    "recpipe_off": _variant("RecpipeOff", ring_feature_permute=False, free_inputs_early=False),
     "recpipe_a2a_main": _A2A_MAIN,
     "recpipe_a2a_main_lean": _with_options(_A2A_MAIN, **_LEAN),
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option

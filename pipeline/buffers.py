@@ -256,7 +256,9 @@ class CopyRing:
     their work queued so far is done; with the host a step or more ahead of the GPU the next copy
     finds it pending and takes a new segment (measured on 1 H100, large config: 3 batch-sized
     segments in that pool, 2 of them live). Here the copy stream waits on the device for the
-    event after the slot's last reader instead, and the memory is written again.
+    event after the slot's last reader instead, and the memory is written again. The slots take
+    over the memory of the batches copied before the positions were known, so the ring holds
+    what two batches' copies would.
 
     Contract (streams): :meth:`destination` gives the copy of batch ``i`` (on ``stream``, the
     copy stream, current during the copy). The positions served are those that the last early
@@ -312,18 +314,35 @@ class CopyRing:
     ) -> set[int]:
         """Batch ``batch_index``'s copies ``made`` (in copy order), of which the positions whose
         storage is in ``inputs`` (data pointers) are P1 inputs, all of whose readers are queued on
-        ``stream``. Learns those positions for the next batches; returns the positions that the
-        ring served (the caller must not free their storage)."""
+        ``stream``. Learns those positions for the next batches. If every tensor the slot served
+        is one of them, the slot is released (an event on ``stream``) and takes over the memory
+        of the other P1 inputs where it has no buffer yet (the batches copied before the
+        positions were known: their memory would otherwise stay cached beside the ring). Those
+        tensors are emptied (``set_()``, ordered on ``stream``). Returns the positions whose
+        memory the ring holds (also those served to a slot left for :meth:`release_late`): the
+        caller must not free their storage."""
         positions = {k for k, t in enumerate(made) if t.untyped_storage().data_ptr() in inputs}
         self._positions = frozenset(positions)
         slot = self._slots[batch_index % len(self._slots)]
         if slot.owner != batch_index:
             return set()
-        if slot.served <= positions:
-            slot.released = stream.record_event()
-            for k in slot.served:
+        if not slot.served <= positions:  # main may read one: release_late's, left as is
+            return set(slot.served)
+        kept = set(slot.served)
+        for k in positions - kept:
+            t = made[k]
+            if k not in slot.buffers and t.is_contiguous() and t.storage_offset() == 0 and (
+                t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            ):
+                slot.buffers[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    t.untyped_storage()
+                )
+                kept.add(k)
+        slot.released = stream.record_event()
+        with stream:  # after the reads, in the sanitizer's view too
+            for k in kept:
                 made[k].set_()
-        return slot.served
+        return kept
 
     def release_late(self, batch_index: int, main: torch.cuda.Stream) -> None:
         """Batch ``batch_index``'s step is queued on ``main``: a slot it still holds is released

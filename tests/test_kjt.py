@@ -149,6 +149,12 @@ class _Stream:
     def record_event(self) -> _Event:
         return _Event()
 
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
 
 def _copy(ring: CopyRing, index: int, stream: _Stream, fill: int) -> list[torch.Tensor]:
     """Batch ``index``'s copies through the ring: a dense tensor, then a KJT's values and
@@ -168,14 +174,18 @@ def _ptrs(*tensors: torch.Tensor) -> set[int]:
 def test_copy_ring_serves_the_early_freed_positions_and_reuses_a_released_slot() -> None:
     ring, stream = CopyRing(depth=2), _Stream()
     first = _copy(ring, 0, stream, 0)  # nothing learned yet: all fresh
-    assert ring.release_early(0, first, _ptrs(*first[1:]), stream) == set() and ring.nbytes == 0
-    b1 = _copy(ring, 1, stream, 1)  # the values and lengths (positions 1, 2) come from the ring
+    adopted = _ptrs(*first[1:])
+    assert ring.release_early(0, first, adopted, stream) == {1, 2}  # the slot takes them over
+    assert ring.nbytes == 100 * 8 + 8 * 8 and first[1].numel() == 0
+    b2 = _copy(ring, 2, stream, 2)  # batch 0's slot: its copies' memory, written again
+    assert _ptrs(*b2[1:]) == adopted and bool((b2[1] == 2).all())
+    b1 = _copy(ring, 1, stream, 1)  # the other slot: fresh ring memory
     memory = _ptrs(*b1[1:])
     assert ring.release_early(1, b1, memory, stream) == {1, 2}
     assert b1[1].numel() == 0 and b1[2].numel() == 0  # emptied: nothing reads batch 3's data
     assert b1[0].numel() == 12  # the dense tensor is main's: left alone
     b3 = _copy(ring, 3, stream, 3)  # batch 1's slot: waits for its release, same memory
-    assert _ptrs(*b3[1:]) == memory and len(stream.waited) == 1 and bool((b3[1] == 3).all())
+    assert _ptrs(*b3[1:]) == memory and len(stream.waited) == 2 and bool((b3[1] == 3).all())
     assert ring.replaced == 0 and ring.nbytes > 0
 
 
