@@ -329,19 +329,19 @@ class CopyRing:
         if not slot.served <= positions:  # main may read one: release_late's, left as is
             return set(slot.served)
         kept = set(slot.served)
-        for k in positions - kept:
-            t = made[k]
-            if k not in slot.buffers and t.is_contiguous() and t.storage_offset() == 0 and (
-                t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            ):
-                slot.buffers[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                    t.untyped_storage()
-                )
-                kept.add(k)
-        slot.released = stream.record_event()
         with stream:  # after the reads, in the sanitizer's view too
+            for k in positions - kept:
+                t = made[k]
+                if k not in slot.buffers and t.is_contiguous() and t.storage_offset() == 0 and (
+                    t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                ):
+                    slot.buffers[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                        t.untyped_storage()
+                    )
+                    kept.add(k)
             for k in kept:
                 made[k].set_()
+        slot.released = stream.record_event()
         return kept
 
     def release_late(self, batch_index: int, main: torch.cuda.Stream) -> None:
