@@ -82,6 +82,14 @@ def release_all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> None:
         awaitable._input_tensors = []
 
 
+def drop_cached_views(kjt: KeyedJaggedTensor) -> None:
+    """Forget ``kjt``'s ``to_dict()`` cache (``_jt_dict``, torchrec 1.6-1.9): views of its values
+    and lengths that keep their memory alive after the pipeline released the KJT (torchrec's
+    input validation calls ``to_dict()`` on each sharded module's first batch)."""
+    if getattr(kjt, "_jt_dict", None) is not None:
+        kjt._jt_dict = None
+
+
 def clears_data_dist_inputs(pipeline: object) -> bool:
     """torchrec >= 1.8's ``clear_data_dist_inputs`` frees the all-to-all inputs' storage in
     place (``storage().resize_(0)``), which a pipeline-owned ring must not see."""

@@ -83,6 +83,7 @@ from recpipe.pipeline.compat import (
     all_to_all_input,
     async_copy_executor,
     clears_data_dist_inputs,
+    drop_cached_views,
     release_all_to_all_input,
     dist_init_on_main_stream,
     pipeline_options,
@@ -307,8 +308,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
-        waited on it). Tensors that the copy ring served go back to the ring instead."""
+        waited on it). Tensors that the copy ring served go back to the ring instead. Cached
+        views of the inputs (``to_dict()``'s) are dropped first: they would keep the memory."""
         kjts = {id(k): k for k in inputs}.values()
+        for kjt in kjts:
+            drop_cached_views(kjt)
         made = self._copied.get(index, [])
         served: set[int] = set()
         if self._copy_ring_on:  # (also for batches copied before a decision turned it off)

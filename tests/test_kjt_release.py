@@ -1,4 +1,5 @@
-"""recpipe.kjt.release_storage frees only what its caller owns, whole storages only."""
+"""recpipe.kjt.release_storage frees only what its caller owns, whole storages only; a released
+KJT's cached views let go of its memory."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.kjt import copy_batch, release_storage
+from recpipe.pipeline.compat import drop_cached_views
 
 
 def _kjt(values: torch.Tensor) -> KeyedJaggedTensor:
@@ -35,3 +37,14 @@ def test_copy_batch_without_a_stream_is_plain_to() -> None:
     out = copy_batch(kjt, torch.device("cpu"), None, made)
     assert out.values() is kjt.values() and made == []  # nothing copied, nothing owned
 
+
+
+def test_dropping_the_to_dict_cache_lets_go_of_the_values_memory() -> None:
+    """torchrec's input validation calls ``to_dict()`` on a module's first batch; its cached
+    views must not keep a released KJT's memory (the copy ring reuses it)."""
+    kjt = _kjt(torch.arange(6))
+    users = torch._C._storage_Use_Count(kjt.values().untyped_storage()._cdata)
+    kjt.to_dict()
+    assert torch._C._storage_Use_Count(kjt.values().untyped_storage()._cdata) > users
+    drop_cached_views(kjt)
+    assert torch._C._storage_Use_Count(kjt.values().untyped_storage()._cdata) == users
