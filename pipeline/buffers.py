@@ -262,13 +262,16 @@ class CopyRing:
 
     Contract (streams): :meth:`destination` gives the copy of batch ``i`` (on ``stream``, the
     copy stream, current during the copy). The positions served are those that the last early
-    release named (P1 inputs), in a batch of the same structure; on its first served tensor,
-    ``stream`` waits for the slot's release event. :meth:`release_early` (the input dists' reads
-    are queued on the given stream) releases the slot only if every served tensor was a P1
-    input, and empties them (``set_()``), so that nothing reads a later batch's data through
-    them; else :meth:`release_late` (main, end of the step; main waited on data_dist in the
-    forward) does. A slot still unreleased when its turn comes, or whose memory someone else
-    still holds, gets fresh memory (the old goes back to the allocator, which knows its streams).
+    release named as P1 inputs (by index in the batch's copy order: the batch's structure is
+    not checked, the release is); on its first served tensor, ``stream`` waits for the slot's
+    release event. :meth:`release_early` (the input dists' reads are queued on the given
+    stream) releases the slot only if every served tensor was a P1 input, and empties them
+    (``set_()``), so that nothing reads a later batch's data through them. Otherwise the slot
+    stays unreleased (main may read a tensor of it): torchrec copies batch ``i + 2`` before
+    batch ``i``'s step ends, so that copy gets fresh memory, and :meth:`release_late` (main,
+    end of the step) only matters for the last batches and :meth:`drop_done`. A slot whose
+    memory someone else still holds also gets fresh memory (the old goes back to the
+    allocator, which knows its streams).
     """
 
     def __init__(self, depth: int = 2) -> None:
@@ -276,6 +279,8 @@ class CopyRing:
         self._positions: frozenset[int] = frozenset()
         #: buffers given new memory because a tensor outside the ring still used them
         self.replaced = 0
+        #: copies written into memory that an earlier batch's copy used (what the ring is for)
+        self.reused = 0
 
     def destination(self, batch_index: int, stream: torch.cuda.Stream) -> Destination:
         """Batch ``batch_index``'s destinations (call it for each batch, in copy order)."""
@@ -288,8 +293,8 @@ class CopyRing:
 
         def into(k: int, src: torch.Tensor) -> torch.Tensor | None:
             nonlocal wait
-            if k not in positions or not src.is_contiguous():
-                return None
+            if k not in positions or not src.is_contiguous() or src.numel() == 0:
+                return None  # (an empty tensor has no memory to reuse, and data pointer 0)
             if not isinstance(wait, bool):  # the release event
                 stream.wait_event(wait)
             wait = True
@@ -301,6 +306,8 @@ class CopyRing:
             if buffer is None or buffer.numel() < size:  # on the current (copy) stream
                 buffer = torch.empty(size + size // _HEADROOM, dtype=torch.uint8, device=stream.device)
                 slot.buffers[k] = buffer
+            else:
+                self.reused += 1
             slot.served.add(k)
             # on the storage, not a view: emptied later with set_(), it keeps no reference
             return torch.empty(0, dtype=src.dtype, device=buffer.device).set_(

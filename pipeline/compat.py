@@ -90,6 +90,16 @@ def drop_cached_views(kjt: KeyedJaggedTensor) -> None:
         kjt._jt_dict = None
 
 
+def copies_or_frees_inputs_itself(pipeline: object) -> bool:
+    """torchrec's own ``enable_inplace_copy_batch`` (1.8+, its async copy worker with 1.9) or
+    ``free_features_storage_early`` (1.7+; it resizes the input KJTs to 0 bytes inside
+    ``start_sparse_data_dist``): the batch copy or the inputs' memory are then torchrec's."""
+    return bool(
+        getattr(pipeline, "_enable_inplace_copy_batch", False)
+        or getattr(pipeline, "_free_features_storage_early", False)
+    )
+
+
 def clears_data_dist_inputs(pipeline: object) -> bool:
     """torchrec >= 1.8's ``clear_data_dist_inputs`` frees the all-to-all inputs' storage in
     place (``storage().resize_(0)``), which a pipeline-owned ring must not see."""

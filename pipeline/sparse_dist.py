@@ -83,6 +83,7 @@ from recpipe.pipeline.compat import (
     all_to_all_input,
     async_copy_executor,
     clears_data_dist_inputs,
+    copies_or_frees_inputs_itself,
     drop_cached_views,
     release_all_to_all_input,
     dist_init_on_main_stream,
@@ -146,9 +147,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: (:class:`~recpipe.pipeline.buffers.CopyRing`): the copy stream waits on the device for
     #: the event after the input dists' reads of the batch two back, instead of taking a new
     #: segment while that batch's memory waits for data_dist's queued work. None (default):
-    #: wherever the inputs are freed early and copied by torchrec's path (not
-    #: ``inplace_copy_batch``), at world size 1; True: at any world size too (not measured
-    #: there). Measured on 1 H100, large config: peak reserved 11544 MiB against 12554-12584
+    #: at world size 1 wherever the inputs are freed early (CUDA) and the copy is torchrec's
+    #: default one (not ``inplace_copy_batch`` nor torchrec's ``enable_inplace_copy_batch``;
+    #: not with torchrec's ``free_features_storage_early``, which frees the inputs itself);
+    #: True: at any world size too (not measured there). Off with the rest below
+    #: ``min_batch_bytes``. Measured on 1 H100, large config: peak reserved 11544 MiB against 12554-12584
     #: without it, losses bit-identical (``--deterministic``).
     copy_ring: bool | None = None
     #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
@@ -256,7 +259,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if copy_ring is None:
             copy_ring = world == 1
         #: whether batches may be copied into the copy ring (``_use_copy_ring``: from now on)
-        self._copy_ring_on = copy_ring and self._free_inputs and not self.inplace_copy_batch
+        self._copy_ring_on = (
+            copy_ring and self._free_inputs and not copies_or_frees_inputs_itself(self)
+        )
         self._use_copy_ring = self._copy_ring_on
         self._copy_ring = CopyRing()
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
@@ -446,6 +451,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def copy_ring_nbytes(self) -> int:
         """Bytes held by the pipeline-owned copy buffers (``copy_ring``)."""
         return self._copy_ring.nbytes
+
+    @property
+    def copy_ring_reused(self) -> int:
+        """Batch tensors copied into memory of an earlier batch's copy (``copy_ring``)."""
+        return self._copy_ring.reused
+
+    @property
+    def copy_ring_replaced(self) -> int:
+        """Copy buffers given new memory because a tensor outside the ring still used them."""
+        return self._copy_ring.replaced
 
     @property
     def ring_replaced(self) -> int:

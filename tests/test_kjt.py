@@ -186,7 +186,7 @@ def test_copy_ring_serves_the_early_freed_positions_and_reuses_a_released_slot()
     assert b1[0].numel() == 12  # the dense tensor is main's: left alone
     b3 = _copy(ring, 3, stream, 3)  # batch 1's slot: waits for its release, same memory
     assert _ptrs(*b3[1:]) == memory and len(stream.waited) == 2 and bool((b3[1] == 3).all())
-    assert ring.replaced == 0 and ring.nbytes > 0
+    assert ring.replaced == 0 and ring.reused == 4 and ring.nbytes > 0
 
 
 def test_copy_ring_keeps_a_slot_whose_tensors_were_not_all_freed_early() -> None:
@@ -218,3 +218,16 @@ def test_copy_ring_never_overwrites_memory_still_held() -> None:
     b4 = _copy(ring, 4, stream, 4)
     assert bool((kept == 2).all()) and ring.replaced == 1 and not _ptrs(b4[1]) & _ptrs(kept)
     assert _ptrs(b4[2]) == lengths  # nobody holds the lengths: reused
+
+
+def test_copy_ring_leaves_empty_tensors_to_the_allocator() -> None:
+    """An empty P1 input (a batch without ids) has no memory to reuse; the slot is still
+    released early."""
+    ring, stream = CopyRing(depth=2), _Stream()
+    first = _copy(ring, 0, stream, 0)
+    ring.release_early(0, first, _ptrs(*first[1:]), stream)
+    into = ring.destination(2, stream)
+    assert into(1, torch.empty(0, dtype=torch.int64)) is None
+    lengths = into(2, torch.zeros(8, dtype=torch.int64))
+    assert lengths is not None
+    assert ring.release_early(2, [torch.empty(4, 3), torch.empty(0), lengths], _ptrs(lengths), stream) == {2}
