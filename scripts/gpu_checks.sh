@@ -23,8 +23,9 @@ export PYTHONWARNINGS=ignore
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "gpus: $ngpu ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
 # the large pipeline config: row-wise needs >= 2 GPUs; the one-rank variant is the 3-slot ring
-sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,recpipe_ring3}
-[ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise pipelines=${PIPELINES:-torchrec,recpipe}
+# (torchrec's Base and Lite: the anchors of the memory-time plane)
+sharding=table_wise,column_wise pipelines=${PIPELINES:-torchrec,recpipe,torchrec_base,torchrec_lite}
+[ "$ngpu" -ge 2 ] && sharding=table_wise,row_wise
 case "${1:-}" in
   permute)
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_permute_op.py tests/test_permute_triton.py \
@@ -61,12 +62,21 @@ case "${1:-}" in
     ;;
   pipeline-checks) ;;
   host)  # 1 GPU, host-bound: both pipelines in one process (calls per step, step time), then
-    # the small config's 7 alternating runs in fresh processes
+    # the small config's 7 alternating runs in fresh processes (300 warm-up steps: a fresh
+    # process ran this config 2.5-5x slower per step than a warmed one after 30), then MovieLens
+    # on the GPU, 3 alternating runs each (samples/s in the last log line)
     python3 scripts/profile_host.py --config small --pipelines torchrec,recpipe 2>/dev/null \
       | tee "$out/profile_small.txt" | head -2
-    python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 10 --steps 100 \
+    python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 300 --steps 100 \
       --pipelines torchrec,recpipe --json "$out/small.json" --out "$out/small.md" 2>&1 \
       | tee "$out/small.log" | grep -E "^\||vs|rror"
+    for i in 1 2 3; do
+      for p in torchrec recpipe; do
+        python3 scripts/train.py hardware=cuda data=movielens pipeline=$p trainer.checkpoint=false \
+          output_dir="$out/movielens-$p-$i" > "$out/movielens-$p-$i.log" 2>&1
+        echo "movielens $p run $i: $(grep -oE '[0-9]+ samples/s' "$out/movielens-$p-$i.log" | tail -1)"
+      done
+    done
     ;;
   pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the
     # multi-rank path (the all-to-all, P2) runs on real CUDA streams: parity incl. row-wise and
