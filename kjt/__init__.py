@@ -14,7 +14,7 @@ from recpipe.kjt.permute import (
     write_into,
 )
 from recpipe.kjt.redirect import RedirectStats, as_type, redirecting_kjt_type
-from recpipe.kjt.storage import kjt_nbytes, release_storage
+from recpipe.kjt.storage import kjt_nbytes, kjt_tensors, release_storage
 
 __all__ = [
     "Allocator",
@@ -28,6 +28,7 @@ __all__ = [
     "copy_batch",
     "as_type",
     "kjt_nbytes",
+    "kjt_tensors",
     "kjt_permute_spec",
     "permute_kjt",
     "permute_spec",

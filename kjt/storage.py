@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterator
+
+import torch
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+def kjt_tensors(kjt: KeyedJaggedTensor) -> Iterator[torch.Tensor]:
+    """The tensors that hold ``kjt``'s memory: values, lengths, offsets, weights (those set)."""
+    for t in (kjt.values(), kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.weights_or_none()):
+        if t is not None:
+            yield t
 
 
 def release_storage(kjt: KeyedJaggedTensor, owned: Container[int]) -> int:
@@ -22,8 +31,8 @@ def release_storage(kjt: KeyedJaggedTensor, owned: Container[int]) -> int:
     """
     freed = 0
     seen: set[int] = set()
-    for t in (kjt.values(), kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.weights_or_none()):
-        if t is None or t.device.type == "meta":
+    for t in kjt_tensors(kjt):
+        if t.device.type == "meta":
             continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()

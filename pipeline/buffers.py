@@ -304,7 +304,8 @@ class CopyRing:
                 self.replaced += 1
                 buffer = None
             if buffer is None or buffer.numel() < size:  # on the current (copy) stream
-                buffer = torch.empty(size + size // _HEADROOM, dtype=torch.uint8, device=stream.device)
+                n = size + size // _HEADROOM
+                buffer = torch.empty(n, dtype=torch.uint8, device=stream.device)
                 slot.buffers[k] = buffer
             else:
                 self.reused += 1
@@ -317,7 +318,8 @@ class CopyRing:
         return into
 
     def release_early(
-        self, batch_index: int, made: list[torch.Tensor], inputs: set[int], stream: torch.cuda.Stream
+        self, batch_index: int, made: list[torch.Tensor], inputs: set[int],
+        stream: torch.cuda.Stream,
     ) -> set[int]:
         """Batch ``batch_index``'s copies ``made`` (in copy order), of which the positions whose
         storage is in ``inputs`` (data pointers) are P1 inputs, all of whose readers are queued on

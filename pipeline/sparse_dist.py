@@ -67,6 +67,7 @@ from recpipe.kjt import (
     as_type,
     copy_batch,
     kjt_nbytes,
+    kjt_tensors,
     redirecting_kjt_type,
     release_storage,
     write_into,
@@ -151,8 +152,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: default one (not ``inplace_copy_batch`` nor torchrec's ``enable_inplace_copy_batch``;
     #: not with torchrec's ``free_features_storage_early``, which frees the inputs itself);
     #: True: at any world size too (not measured there). Off with the rest below
-    #: ``min_batch_bytes``. Measured on 1 H100, large config: peak reserved 11544 MiB against 12554-12584
-    #: without it, losses bit-identical (``--deterministic``).
+    #: ``min_batch_bytes``. Measured on 1 H100, large config: peak reserved 11544 MiB against
+    #: 12554-12584 without it, losses bit-identical (``--deterministic``).
     copy_ring: bool | None = None
     #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
     #: on the main stream (:class:`~recpipe.pipeline.buffers.EmptyOnMain`), so that they come
@@ -325,13 +326,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         made = self._copied.get(index, [])
         served: set[int] = set()
         if self._copy_ring_on:  # (also for batches copied before a decision turned it off)
-            storages = {
-                t.untyped_storage().data_ptr()
-                for kjt in kjts
-                for t in (kjt.values(), kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.weights_or_none())
-                if t is not None
-            }
-            served = self._copy_ring.release_early(index, made, storages - {0}, self._data_dist_stream)
+            storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
+            storages.discard(0)  # (empty tensors)
+            served = self._copy_ring.release_early(index, made, storages, self._data_dist_stream)
         owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
         for kjt in kjts:
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
