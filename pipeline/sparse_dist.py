@@ -207,11 +207,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 async_inplace_copy=async_inplace_copy,
             ),
         )
-        limit = self.min_batch_bytes
-        if type(limit) is not int or limit < 0:
-            raise ValueError(
-                f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {limit!r}"
-            )
+        _check_switches(self)
         cuda = self._device.type == "cuda"
         main = torch.cuda.current_stream(self._device) if cuda else None
         world = _world_size(self._model)
@@ -463,6 +459,27 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def ring_replaced(self) -> int:
         """P1 buffers given new memory because a result of an earlier batch still used them."""
         return self._ring.replaced
+
+
+def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
+    """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
+    otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
+    for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring"):
+        value = getattr(pipeline, name)
+        if value is not None and type(value) is not bool:
+            raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")
+    for name in ("inplace_copy_batch", "free_inputs_early", "all_to_all_outputs_on_main"):
+        value = getattr(pipeline, name)
+        if type(value) is not bool:
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    depth = pipeline.ring_depth
+    if type(depth) is not int or depth < 1:
+        raise ValueError(f"ring_depth must be an int >= 1 (slots; default 3), got {depth!r}")
+    limit = pipeline.min_batch_bytes
+    if type(limit) is not int or limit < 0:
+        raise ValueError(
+            f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {limit!r}"
+        )
 
 
 def _with_kjt_type(

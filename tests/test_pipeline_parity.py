@@ -124,9 +124,9 @@ def test_single_rank_small_batches_take_torchrecs_path_after_the_first() -> None
     assert r["redirected"]["input_dist"] == 3  # the first batch's: one P1 per sparse module
 
 
-def _with_min_batch_bytes(rank: int, world: int, device: torch.device, value: object) -> str:
+def _with_switch(rank: int, world: int, device: torch.device, name: str, value: object) -> str:
     model, optimizer = build_sharded(ModelSpec(), ["table_wise"], device, torch.distributed.group.WORLD)
-    cls = type("Limited", (TrainPipelineSparseDist,), {"min_batch_bytes": value})
+    cls = type("Switched", (TrainPipelineSparseDist,), {name: value})
     try:
         cls(model, optimizer, device)
     except ValueError as e:
@@ -136,8 +136,23 @@ def _with_min_batch_bytes(rank: int, world: int, device: torch.device, value: ob
 
 @pytest.mark.parametrize("value", [-1, "64MiB", 1.5])
 def test_bad_min_batch_bytes_is_named(value: object) -> None:
-    (message,) = run_ranks(1, _with_min_batch_bytes, value)
+    (message,) = run_ranks(1, _with_switch, "min_batch_bytes", value)
     assert message == f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {value!r}"
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("copy_ring", "no", "copy_ring must be True, False or None (auto), got 'no'"),
+        ("ring_feature_permute", 1, "ring_feature_permute must be True, False or None (auto), got 1"),
+        ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
+        ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
+        ("copy_ring", False, "no error"),
+    ],
+)
+def test_a_switch_with_a_value_it_does_not_take_is_named(name: str, value: object, expected: str) -> None:
+    (message,) = run_ranks(1, _with_switch, name, value)
+    assert message == expected
 
 
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
