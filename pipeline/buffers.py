@@ -20,8 +20,9 @@ tensors that the input dists alone read, reused once data_dist has queued those 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -57,41 +58,95 @@ def on_main_stream(main: torch.cuda.Stream | None, make: Callable[[], T]) -> T:
     return out
 
 
-def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
-    """Allocate on ``main``; order the current (data_dist) stream after the allocation.
+class HighWater:
+    """Sizes for allocations that recur once per batch at one place (a hashable key): the
+    largest number of elements asked there so far, with 1/64 more each time it grows.
+
+    Why: batch sizes vary a little (the large config's KJTs by about 1 MiB in 1 GiB). With exact
+    sizes, the block that one batch's tensor freed is a little too small for the next batch's,
+    so the caching allocator takes a new segment, and the pool keeps both: measured on 2 ranks
+    (large config), one extra batch-sized segment in each of the data_dist and memcpy pools.
+    With equal sizes each freed block fits the next batch's tensor. Cost: up to 1/64 more bytes
+    per tensor, and a larger size is kept after a larger batch."""
+
+    def __init__(self) -> None:
+        self._numel: dict[Hashable, int] = {}
+
+    def numel(self, key: Hashable, n: int) -> int:
+        """Elements to allocate at ``key`` for a tensor of ``n`` (at least ``n``)."""
+        have = self._numel.get(key, -1)
+        if n > have:
+            have = n + n // _HEADROOM
+            self._numel[key] = have
+        return have
+
+    def empty(self, key: Hashable, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """A contiguous ``shape`` tensor at the front of a :meth:`numel`-sized allocation (on
+        the current stream)."""
+        n = math.prod(shape)
+        return torch.empty(self.numel(key, n), dtype=dtype, device=device)[:n].view(shape)
+
+
+def padded_allocator(sizes: HighWater, alloc: Allocator = allocate) -> Allocator:
+    """``alloc`` with the values (and weights) sized by ``sizes``, per permute site (the
+    lengths' shape and the dtypes)."""
+
+    def padded(spec: PermuteSpec) -> PermuteBuffers:
+        key = (spec.lengths_shape, spec.values_dtype, spec.weights_dtype)
+        return alloc(replace(spec, num_values=sizes.numel(key, spec.num_values)))
+
+    return padded
+
+
+def main_stream_allocator(main: torch.cuda.Stream | None, alloc: Allocator = allocate) -> Allocator:
+    """Allocate with ``alloc`` on ``main``; order the current (data_dist) stream after the
+    allocation.
 
     The returned buffers belong to main's pool: the caller keeps a Python reference until the
     main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
     ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
     """
-    return lambda spec: on_main_stream(main, lambda: allocate(spec))
+    return lambda spec: on_main_stream(main, lambda: alloc(spec))
 
 
-class EmptyOnMain(TorchFunctionMode):
-    """Within the block, ``torch.empty(..., device=device)`` allocates on ``main``
-    (:func:`on_main_stream`) and the tensor is appended to ``keep``; every other call runs
-    unchanged. Scoped to the splits wait of an input dist, where torchrec's
-    ``KJTAllToAllTensorsAwaitable`` makes the all-to-all outputs (the received lengths, values,
-    weights) that way.
+class AllToAllOutputs(TorchFunctionMode):
+    """Within the block, each ``torch.empty(shape, device=device, ...)`` (how torchrec's
+    ``KJTAllToAllTensorsAwaitable`` makes the all-to-all outputs: the received lengths, values,
+    weights) is sized by ``sizes`` (keyed by its order in the block, dtype and trailing dims);
+    with ``keep`` given, it is allocated on ``main`` (:func:`on_main_stream`; plainly where
+    ``main`` is None: CPU) and appended to ``keep``. Every other call runs unchanged. Scoped to
+    the splits wait of the input dists.
 
-    Contract: the caller keeps ``keep`` until main has waited on the stream that reads the
-    tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes main
-    wait on data_dist after it), and calls nothing in the block after the first allocation that
-    syncs the host with the current stream (the event makes the current stream wait for all of
-    main's queued work)."""
+    Contract with ``keep``: the caller keeps it until main has waited on the stream that reads
+    the tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes
+    main wait on data_dist after it), and calls nothing in the block after the first allocation
+    that syncs the host with the current stream (the event makes the current stream wait for
+    all of main's queued work)."""
 
     def __init__(
-        self, main: torch.cuda.Stream | None, device: torch.device, keep: list[torch.Tensor]
+        self, sizes: HighWater, device: torch.device, keep: list[torch.Tensor] | None = None,
+        main: torch.cuda.Stream | None = None,
     ) -> None:
         super().__init__()
-        self._main, self._device, self._keep = main, device, keep
+        self._sizes, self._device, self._keep, self._main = sizes, device, keep, main
+        #: the all-to-all outputs made in the block
+        self.made = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if func is not torch.empty or device is None or torch.device(device).type != self._device.type:
+        if (func is not torch.empty or device is None or len(args) != 1
+                or not isinstance(args[0], (list, tuple)) or set(kwargs) - {"device", "dtype"}
+                or torch.device(device).type != self._device.type):
             return func(*args, **kwargs)
-        out = on_main_stream(self._main, lambda: func(*args, **kwargs))
+        shape, dtype = tuple(args[0]), kwargs.get("dtype") or torch.get_default_dtype()
+        key = (self.made, dtype, shape[1:])
+        self.made += 1
+        make = lambda: self._sizes.empty(key, shape, dtype, torch.device(device))  # noqa: E731
+        if self._keep is None:
+            return make()
+        out = on_main_stream(self._main, make)
         self._keep.append(out)
         return out
 
@@ -277,6 +332,7 @@ class CopyRing:
     def __init__(self, depth: int = 2) -> None:
         self._slots = [_CopySlot() for _ in range(depth)]
         self._positions: frozenset[int] = frozenset()
+        self._sizes = HighWater()  # bytes per copy position
         #: buffers given new memory because a tensor outside the ring still used them
         self.replaced = 0
         #: copies written into memory that an earlier batch's copy used (what the ring is for)
@@ -293,27 +349,27 @@ class CopyRing:
 
         def into(k: int, src: torch.Tensor) -> torch.Tensor | None:
             nonlocal wait
-            if k not in positions or not src.is_contiguous() or src.numel() == 0:
+            if not src.is_contiguous() or src.numel() == 0:
                 return None  # (an empty tensor has no memory to reuse, and data pointer 0)
+            size = src.numel() * src.element_size()
+            if k not in positions:  # before the first release: fresh memory, sized as the
+                if positions:  # ring's (it may take it over); after it: not the ring's
+                    return None
+                return _typed(self._sizes.empty(k, (size,), torch.uint8, stream.device), src)
             if not isinstance(wait, bool):  # the release event
                 stream.wait_event(wait)
             wait = True
-            size = src.numel() * src.element_size()
             buffer = slot.buffers.get(k)
             if buffer is not None and buffer.numel() >= size and _users(buffer) > 2:
                 self.replaced += 1
                 buffer = None
             if buffer is None or buffer.numel() < size:  # on the current (copy) stream
-                n = size + size // _HEADROOM
-                buffer = torch.empty(n, dtype=torch.uint8, device=stream.device)
+                buffer = torch.empty(self._sizes.numel(k, size), dtype=torch.uint8, device=stream.device)
                 slot.buffers[k] = buffer
             else:
                 self.reused += 1
             slot.served.add(k)
-            # on the storage, not a view: emptied later with set_(), it keeps no reference
-            return torch.empty(0, dtype=src.dtype, device=buffer.device).set_(
-                buffer.untyped_storage(), 0, src.shape
-            )
+            return _typed(buffer, src)
 
         return into
 
@@ -341,9 +397,7 @@ class CopyRing:
         with stream:  # after the reads, in the sanitizer's view too
             for k in positions - kept:
                 t = made[k]
-                if k not in slot.buffers and t.is_contiguous() and t.storage_offset() == 0 and (
-                    t.untyped_storage().nbytes() == t.numel() * t.element_size()
-                ):
+                if k not in slot.buffers and t.is_contiguous() and t.storage_offset() == 0:
                     slot.buffers[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
                         t.untyped_storage()
                     )
@@ -369,6 +423,14 @@ class CopyRing:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for slot in self._slots for b in slot.buffers.values())
+
+
+def _typed(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s dtype and shape at the start of ``buffer``'s storage: on the
+    storage, not a view, so that emptying it later (``set_()``) keeps no reference."""
+    return torch.empty(0, dtype=like.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), 0, like.shape
+    )
 
 
 def _done(released: torch.cuda.Event | bool) -> bool:

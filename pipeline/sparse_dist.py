@@ -73,11 +73,13 @@ from recpipe.kjt import (
     write_into,
 )
 from recpipe.pipeline.buffers import (
+    AllToAllOutputs,
     BufferRing,
     CopyRing,
-    EmptyOnMain,
+    HighWater,
     SideWrite,
     main_stream_allocator,
+    padded_allocator,
 )
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
@@ -98,11 +100,13 @@ class PipelineStats(RedirectStats):
     """Counts since the pipeline was made: the permutes redirected at P1 (``input_dist``) and P2
     (``dist_init``) and the torch calls the interception saw (``seen``); all-to-alls whose sent
     inputs were given back a step early (``released``); bytes of input KJTs freed early
-    (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``)."""
+    (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``) and
+    sized to their high-water mark (``outputs_sized``)."""
 
     released: int = 0
     inputs_freed_bytes: int = 0
     outputs_on_main: int = 0
+    outputs_sized: int = 0
 
 
 class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
@@ -144,19 +148,29 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: a model whose forward reads the sparse features only through the pipelined (sharded)
     #: modules, as torchrec's option does.
     free_inputs_early: bool = True
-    #: Copy the P1 inputs that ``free_inputs_early`` frees into a pipeline-owned 2-slot ring
-    #: (:class:`~recpipe.pipeline.buffers.CopyRing`): the copy stream waits on the device for
-    #: the event after the input dists' reads of the batch two back, instead of taking a new
-    #: segment while that batch's memory waits for data_dist's queued work. None (default):
-    #: at world size 1 wherever the inputs are freed early (CUDA) and the copy is torchrec's
-    #: default one (not ``inplace_copy_batch`` nor torchrec's ``enable_inplace_copy_batch``;
-    #: not with torchrec's ``free_features_storage_early``, which frees the inputs itself);
-    #: True: at any world size too (not measured there). Off with the rest below
-    #: ``min_batch_bytes``. Measured on 1 H100, large config: peak reserved 11544 MiB against
-    #: 12554-12584 without it, losses bit-identical (``--deterministic``).
-    copy_ring: bool | None = None
+    #: Copy the P1 inputs that ``free_inputs_early`` frees into pipeline-owned memory
+    #: (:class:`~recpipe.pipeline.buffers.CopyRing`, one slot): the copy of batch i+2 reuses
+    #: batch i+1's, which the input dists have just read; the copy stream waits on the device
+    #: for the event after those reads, instead of taking a new segment while that memory
+    #: waits for data_dist's queued work. Wherever the inputs are freed early (CUDA) and the
+    #: copy is torchrec's default one (not ``inplace_copy_batch`` nor torchrec's
+    #: ``enable_inplace_copy_batch``; not with torchrec's ``free_features_storage_early``,
+    #: which frees the inputs itself); off with the rest below ``min_batch_bytes``.
+    #: Measured on 1 H100, large config: the memcpy pool holds one batch instead of two.
+    copy_ring: bool = True
+    #: World size > 1: size the batch-sized tensors that data_dist allocates once per batch at
+    #: the same place (P1's outputs, the all-to-all outputs; the copy ring's buffers always
+    #: are) to the largest seen there so far, plus 1/64 when it grows
+    #: (:class:`~recpipe.pipeline.buffers.HighWater`), so that a block freed by one batch fits
+    #: the next one's. With exact sizes, a batch a little larger than the last takes a new
+    #: segment, and the pool keeps one more batch-sized segment (measured on 2 ranks, large
+    #: config, 1 H100: data_dist's pool 3096 -> 2102 MiB). Off below ``min_batch_bytes`` (the
+    #: all-to-all outputs are sized under a mode that sees every torch call of the splits
+    #: wait: about 535 Python calls per step, whatever the model's size). None (default): on
+    #: CUDA (the CPU allocator has no such pools); True also on CPU (the tests do).
+    stable_sizes: bool | None = None
     #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
-    #: on the main stream (:class:`~recpipe.pipeline.buffers.EmptyOnMain`), so that they come
+    #: on the main stream (:class:`~recpipe.pipeline.buffers.AllToAllOutputs`), so that they come
     #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
     #: queued work (the forward of the batch in compute). Needs one fused splits all-to-all
     #: per step (torchrec fuses those of one process group), else the host would wait for main.
@@ -247,20 +261,29 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._main = main
         self._received: dict[int, list[torch.Tensor]] = {}  # batch index -> all-to-all outputs
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
-        self._dist_init_runner: Runner = write_into(main_stream_allocator(main))  # P2's
+        stable = cuda if self.stable_sizes is None else self.stable_sizes
+        self._received_sizes = HighWater() if stable or self._outputs_on_main else None
+        # P1's runner at world size > 1 (at world size 1: the ring's, or torchrec's)
+        self._sent_runner = None
+        if stable and world > 1:
+            self._sent_runner = write_into(padded_allocator(HighWater()))
+        # decided on the first batch, as ``redirecting`` (``min_batch_bytes``)
+        self._sizes_undecided = stable and world > 1 and self.min_batch_bytes > 0
+        # P2's, exact sizes: main's pool shares its blocks with the activations, which the
+        # exact sizes fit (measured: 1/64 more took new segments there)
+        self._dist_init_runner: Runner = write_into(main_stream_allocator(main))
         if cuda and self.inplace_copy_batch:
             self._enable_inplace_copy_batch = True  # torchrec's flag: no record_stream(main)
         # only the pipeline's own copies are freed (CPU: .to() copies nothing)
         self._free_inputs = cuda and self.free_inputs_early
-        copy_ring = self.copy_ring
-        if copy_ring is None:
-            copy_ring = world == 1
         #: whether batches may be copied into the copy ring (``_use_copy_ring``: from now on)
         self._copy_ring_on = (
-            copy_ring and self._free_inputs and not copies_or_frees_inputs_itself(self)
+            self.copy_ring and self._free_inputs and not copies_or_frees_inputs_itself(self)
         )
         self._use_copy_ring = self._copy_ring_on
-        self._copy_ring = CopyRing()
+        # The copy of batch i+2 comes after batch i+1's input dists are queued, which give the
+        # copy ring i+1's copy back: one slot does
+        self._copy_ring = CopyRing(depth=1)
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._kjt_type = redirecting_kjt_type(
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
@@ -273,7 +296,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self.redirecting: bool | None = (
             None if acts and world == 1 and self.min_batch_bytes > 0 else acts
         )
-        self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
+        # batch index -> its P1 inputs and the copy positions the copy ring took back
+        self._releasable: dict[int, tuple[list[KeyedJaggedTensor], set[int] | None]] = {}
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
@@ -283,50 +307,79 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # from _pipeline_model); torchrec switches to data_dist inside.
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
-        if batch is None or not (self._use_ring or self._free_inputs):
+        if batch is None or not (self._use_ring or self._free_inputs or self._sent_runner):
             return super().start_sparse_data_dist(batch, context)
-        self._input_dist_runner = self._ring_runner(context.index) if self._use_ring else None
+        self._input_dist_runner = (
+            self._ring_runner(context.index) if self._use_ring else self._sent_runner
+        )
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
         inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
         free = self._free_inputs  # this batch's, whatever the decision says of the next ones
-        if self.redirecting is None:
+        if self.redirecting is None or self._sizes_undecided:
             self._decide(inputs)
         if not free:
             return
-        if self.uses_split_permute:  # the side stream reads them: after its wait
-            self._releasable[context.index] = inputs
+        if self.uses_split_permute:  # the side stream reads them: freed after data_dist's
+            # wait for it; the copy ring's now, ordered on the side stream after every read
+            served = None
+            if self._copy_ring_on and self._side is not None:
+                self._side.wait_stream(self._data_dist_stream)
+                served = self._release_copies(context.index, inputs, self._side)
+            self._releasable[context.index] = (inputs, served)
         else:
             self._release_inputs(context.index, inputs)
 
     def _decide(self, inputs: list[KeyedJaggedTensor]) -> None:
         """After the first batch's input dist: below ``min_batch_bytes`` of P1 inputs, the
-        next batches take torchrec's path (copy, input dist). The batches already in flight
-        finish with what they started (their side-stream writes, ring slot and early frees
-        are keyed by batch)."""
+        next batches take torchrec's path (copy, input dist; at world size 1), and no
+        high-water sizes at P1 and the all-to-all outputs (their interception costs host time
+        every step). The batches already in flight finish with what they started (their
+        side-stream writes, ring slot and early frees are keyed by batch)."""
         size = sum(kjt_nbytes(k) for k in {id(k): k for k in inputs}.values())
-        self.redirecting = size >= self.min_batch_bytes
-        if not self.redirecting:
-            self._use_ring = self._free_inputs = self._use_copy_ring = False
+        pays = size >= self.min_batch_bytes
+        if self._sizes_undecided and not pays:
+            self._sent_runner = None
+            if not self._outputs_on_main:
+                self._received_sizes = None
+        self._sizes_undecided = False
+        if self.redirecting is None:
+            self.redirecting = pays
+            if not pays:
+                self._use_ring = self._free_inputs = self._use_copy_ring = False
 
-    def _release_inputs(self, index: int, inputs: list[KeyedJaggedTensor]) -> None:
+    def _release_copies(
+        self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream | None
+    ) -> set[int]:
+        """Give batch ``index``'s P1 inputs that the copy ring served back to the ring (every
+        reader of them is queued on ``stream`` or ordered before it); returns their copy
+        positions. Cached views of the inputs (``to_dict()``'s) are dropped first: they would
+        keep the memory (torchrec validates each module's first batch with ``to_dict()``)."""
+        kjts = {id(k): k for k in inputs}.values()
+        for kjt in kjts:
+            drop_cached_views(kjt)
+        if not self._copy_ring_on:  # (on for batches copied before a decision turned it off)
+            return set()
+        storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
+        storages.discard(0)  # (empty tensors)
+        return self._copy_ring.release_early(index, self._copied.get(index, []), storages, stream)
+
+    def _release_inputs(
+        self, index: int, inputs: list[KeyedJaggedTensor], served: set[int] | None = None
+    ) -> None:
         """Free the storage of batch ``index``'s P1 inputs that the pipeline's own copy made
         (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
-        waited on it). Tensors that the copy ring served go back to the ring instead. Cached
-        views of the inputs (``to_dict()``'s) are dropped first: they would keep the memory."""
-        kjts = {id(k): k for k in inputs}.values()
-        for kjt in kjts:
-            drop_cached_views(kjt)
+        waited on it). The copy ring's go back to the ring instead (``served``: the positions
+        it already took back, else here, on data_dist)."""
+        if served is None:
+            served = self._release_copies(index, inputs, self._data_dist_stream)
         made = self._copied.get(index, [])
-        served: set[int] = set()
-        if self._copy_ring_on:  # (also for batches copied before a decision turned it off)
-            storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
-            storages.discard(0)  # (empty tensors)
-            served = self._copy_ring.release_early(index, made, storages, self._data_dist_stream)
         owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
-        for kjt in kjts:
+        owned.discard(0)
+        for kjt in {id(k): k for k in inputs}.values():
+            drop_cached_views(kjt)
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 
     def copy_batch_to_gpu(
@@ -407,11 +460,14 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 del vars(module)["input_dist"]
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-        if self._outputs_on_main:  # kept until the batch's forward has made main wait
-            keep = self._received.setdefault(context.index, [])
-            with EmptyOnMain(self._main, self._device, keep):
+        if self._received_sizes is not None and self._redirect_dist_init:
+            # on main: kept until the batch's forward has made main wait
+            keep = self._received.setdefault(context.index, []) if self._outputs_on_main else None
+            sizes = self._received_sizes
+            with AllToAllOutputs(sizes, self._device, keep, self._main) as outputs:
                 super().wait_sparse_data_dist(context)
-            self.stats.outputs_on_main += len(keep)
+            self.stats.outputs_on_main += len(keep or ())
+            self.stats.outputs_sized += outputs.made
         else:
             super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():
@@ -421,7 +477,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
-            self._release_inputs(context.index, self._releasable.pop(context.index, []))
+            self._release_inputs(context.index, *self._releasable.pop(context.index, ([], None)))
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
@@ -464,11 +520,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
     """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
     otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
-    for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring"):
+    for name in ("split_input_dist_permute", "ring_feature_permute", "stable_sizes"):
         value = getattr(pipeline, name)
         if value is not None and type(value) is not bool:
             raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")
-    for name in ("inplace_copy_batch", "free_inputs_early", "all_to_all_outputs_on_main"):
+    for name in ("inplace_copy_batch", "free_inputs_early", "copy_ring",
+                 "all_to_all_outputs_on_main"):
         value = getattr(pipeline, name)
         if type(value) is not bool:
             raise ValueError(f"{name} must be True or False, got {value!r}")

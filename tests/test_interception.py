@@ -100,9 +100,14 @@ def _python_calls_per_step(rank: int, world: int, device: torch.device,
     return out
 
 
+class _CudaDefaults(TrainPipelineSparseDist):
+    stable_sizes = True  # as on CUDA (the all-to-all outputs' mode, P1 through recpipe's op),
+    min_batch_bytes = 0  # for batches of any size
+
+
 def _calls_per_step(spec: ModelSpec, rank: int, device: torch.device) -> dict:
     out = {}
-    for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", TrainPipelineSparseDist)):
+    for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", _CudaDefaults)):
         model, optimizer = build_sharded(spec, SHARDING, device, torch.distributed.group.WORLD, seed=1)
         pipeline = cls(model, optimizer, device)
         it = iter(list(batches(spec, STEPS + 4, rank, seed=2)))

@@ -9,7 +9,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.kjt import PermuteInto, allocate, kjt_permute_spec, permute_kjt, write_into
-from recpipe.pipeline.buffers import BufferRing, CopyRing
+from recpipe.pipeline.buffers import BufferRing, CopyRing, HighWater
 
 
 def _kjt(weighted: bool = True, seed: int = 0) -> KeyedJaggedTensor:
@@ -176,7 +176,8 @@ def test_copy_ring_serves_the_early_freed_positions_and_reuses_a_released_slot()
     first = _copy(ring, 0, stream, 0)  # nothing learned yet: all fresh
     adopted = _ptrs(*first[1:])
     assert ring.release_early(0, first, adopted, stream) == {1, 2}  # the slot takes them over
-    assert ring.nbytes == 100 * 8 + 8 * 8 and first[1].numel() == 0
+    # (sized as the ring sizes its buffers: 1/64 more than the first batch's)
+    assert ring.nbytes == 100 * 8 * 65 // 64 + 8 * 8 * 65 // 64 and first[1].numel() == 0
     b2 = _copy(ring, 2, stream, 2)  # batch 0's slot: its copies' memory, written again
     assert _ptrs(*b2[1:]) == adopted and bool((b2[1] == 2).all())
     b1 = _copy(ring, 1, stream, 1)  # the other slot: fresh ring memory
@@ -231,3 +232,15 @@ def test_copy_ring_leaves_empty_tensors_to_the_allocator() -> None:
     lengths = into(2, torch.zeros(8, dtype=torch.int64))
     assert lengths is not None
     assert ring.release_early(2, [torch.empty(4, 3), torch.empty(0), lengths], _ptrs(lengths), stream) == {2}
+
+
+def test_high_water_sizes_repeat_until_a_batch_outgrows_them() -> None:
+    """Equal sizes from batch to batch (a freed block fits the next batch's tensor), 1/64 more
+    than the largest when a batch outgrows them; each key on its own."""
+    sizes = HighWater()
+    assert sizes.numel("values", 640) == 650
+    assert sizes.numel("values", 600) == 650 and sizes.numel("values", 650) == 650
+    assert sizes.numel("values", 651) == 661 and sizes.numel("lengths", 10) == 10
+    t = sizes.empty("dense", (64, 2), torch.float32, torch.device("cpu"))
+    assert t.shape == (64, 2) and t.is_contiguous()
+    assert t.untyped_storage().nbytes() == (128 + 2) * 4

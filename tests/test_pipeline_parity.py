@@ -44,6 +44,11 @@ class WholePermutePipeline(RingEverywherePipeline):
     split_input_dist_permute = False  # one rank: the whole P1 into the depth-3 ring
 
 
+class StableSizesPipeline(TrainPipelineSparseDist):
+    stable_sizes = True  # high-water sizes on CPU too
+    min_batch_bytes = 0  # for every batch, however small
+
+
 class OutputsOnMainPipeline(TrainPipelineSparseDist):
     all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
 
@@ -143,7 +148,7 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
 @pytest.mark.parametrize(
     "name, value, expected",
     [
-        ("copy_ring", "no", "copy_ring must be True, False or None (auto), got 'no'"),
+        ("copy_ring", "no", "copy_ring must be True or False, got 'no'"),
         ("ring_feature_permute", 1, "ring_feature_permute must be True, False or None (auto), got 1"),
         ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
         ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
@@ -238,6 +243,17 @@ def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("outputs_on_main", 0) >= 13 * (STEPS - 1), r["redirected"]
+
+
+def test_stable_sizes_bit_identical_on_two_ranks() -> None:
+    """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
+    high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
+    the 3 modules' 2 groups, the weighted module's weights too) and P2's."""
+    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, StableSizesPipeline)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        assert r["redirected"].get("input_dist", 0) >= STEPS, r["redirected"]
+        assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
 
 
 def test_losses_bit_identical_on_four_ranks() -> None:
