@@ -326,6 +326,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if self._copy_ring_on and self._side is not None:
                 self._side.wait_stream(self._data_dist_stream)
                 served = self._release_copies(context.index, inputs, self._side)
+                self._unpin_ring(self._values_done.get(context.index, []))
             self._releasable[context.index] = (inputs, served)
         else:
             self._release_inputs(context.index, inputs)
@@ -363,6 +364,19 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
         storages.discard(0)  # (empty tensors)
         return self._copy_ring.release_early(index, self._copied.get(index, []), storages, stream)
+
+    def _unpin_ring(self, writes: list[SideWrite]) -> None:
+        """The side writes keep their inputs (views: the lengths reshaped) alive until data_dist
+        has waited on them, for data_dist's memory; the copy ring's memory is the ring's, and
+        the copy stream waits on the ring's event before it writes there again: let go of it,
+        or the next copy would see it held and take new memory."""
+        ring = self._copy_ring.storages()
+        writes[:] = [
+            w._replace(inputs=tuple(
+                t for t in w.inputs if t is not None and t.untyped_storage().data_ptr() not in ring
+            ))
+            for w in writes
+        ]
 
     def _release_inputs(
         self, index: int, inputs: list[KeyedJaggedTensor], served: set[int] | None = None
