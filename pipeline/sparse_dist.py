@@ -282,8 +282,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         )
         self._use_copy_ring = self._copy_ring_on
         # The copy of batch i+2 comes after batch i+1's input dists are queued, which give the
-        # copy ring i+1's copy back: one slot does
-        self._copy_ring = CopyRing(depth=1)
+        # copy ring i+1's copy back: one slot does. With the split permute the side stream
+        # reads the values, and the release waits for its write (wait_sparse_data_dist, after
+        # that copy): two slots, batch i's for batch i+2. (Released at the end of the input
+        # dists instead, on the side stream, one slot measured 1.13x torchrec's ms/iter on 1
+        # H100, large config: the copy then waits for the values write, which waits for the P1
+        # ring's slot, main's end of step i-1.)
+        self._copy_ring = CopyRing(depth=2 if split else 1)
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._kjt_type = redirecting_kjt_type(
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
@@ -296,8 +301,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self.redirecting: bool | None = (
             None if acts and world == 1 and self.min_batch_bytes > 0 else acts
         )
-        # batch index -> its P1 inputs and the copy positions the copy ring took back
-        self._releasable: dict[int, tuple[list[KeyedJaggedTensor], set[int] | None]] = {}
+        self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
@@ -320,14 +324,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._decide(inputs)
         if not free:
             return
-        if self.uses_split_permute:  # the side stream reads them: freed after data_dist's
-            # wait for it; the copy ring's now, ordered on the side stream after every read
-            served = None
-            if self._copy_ring_on and self._side is not None:
-                self._side.wait_stream(self._data_dist_stream)
-                served = self._release_copies(context.index, inputs, self._side)
-                self._unpin_ring(self._values_done.get(context.index, []))
-            self._releasable[context.index] = (inputs, served)
+        if self.uses_split_permute:  # the side stream reads them: after its wait
+            self._releasable[context.index] = inputs
         else:
             self._release_inputs(context.index, inputs)
 
@@ -349,51 +347,24 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if not pays:
                 self._use_ring = self._free_inputs = self._use_copy_ring = False
 
-    def _release_copies(
-        self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream | None
-    ) -> set[int]:
-        """Give batch ``index``'s P1 inputs that the copy ring served back to the ring (every
-        reader of them is queued on ``stream`` or ordered before it); returns their copy
-        positions. Cached views of the inputs (``to_dict()``'s) are dropped first: they would
-        keep the memory (torchrec validates each module's first batch with ``to_dict()``)."""
-        kjts = {id(k): k for k in inputs}.values()
-        for kjt in kjts:
-            drop_cached_views(kjt)
-        if not self._copy_ring_on:  # (on for batches copied before a decision turned it off)
-            return set()
-        storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
-        storages.discard(0)  # (empty tensors)
-        return self._copy_ring.release_early(index, self._copied.get(index, []), storages, stream)
-
-    def _unpin_ring(self, writes: list[SideWrite]) -> None:
-        """The side writes keep their inputs (views: the lengths reshaped) alive until data_dist
-        has waited on them, for data_dist's memory; the copy ring's memory is the ring's, and
-        the copy stream waits on the ring's event before it writes there again: let go of it,
-        or the next copy would see it held and take new memory."""
-        ring = self._copy_ring.storages()
-        writes[:] = [
-            w._replace(inputs=tuple(
-                t for t in w.inputs if t is not None and t.untyped_storage().data_ptr() not in ring
-            ))
-            for w in writes
-        ]
-
-    def _release_inputs(
-        self, index: int, inputs: list[KeyedJaggedTensor], served: set[int] | None = None
-    ) -> None:
+    def _release_inputs(self, index: int, inputs: list[KeyedJaggedTensor]) -> None:
         """Free the storage of batch ``index``'s P1 inputs that the pipeline's own copy made
         (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
-        waited on it). The copy ring's go back to the ring instead (``served``: the positions
-        it already took back, else here, on data_dist)."""
-        if served is None:
-            served = self._release_copies(index, inputs, self._data_dist_stream)
-        made = self._copied.get(index, [])
-        owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
-        owned.discard(0)
-        for kjt in {id(k): k for k in inputs}.values():
+        waited on it). Tensors that the copy ring served go back to the ring instead. Cached
+        views of the inputs (``to_dict()``'s) are dropped first: they would keep the memory."""
+        kjts = {id(k): k for k in inputs}.values()
+        for kjt in kjts:
             drop_cached_views(kjt)
+        made = self._copied.get(index, [])
+        served: set[int] = set()
+        if self._copy_ring_on:  # (also for batches copied before a decision turned it off)
+            storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
+            storages.discard(0)  # (empty tensors)
+            served = self._copy_ring.release_early(index, made, storages, self._data_dist_stream)
+        owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
+        for kjt in kjts:
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 
     def copy_batch_to_gpu(
@@ -491,7 +462,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
-            self._release_inputs(context.index, *self._releasable.pop(context.index, ([], None)))
+            self._release_inputs(context.index, self._releasable.pop(context.index, []))
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
