@@ -152,6 +152,7 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         ("ring_feature_permute", 1, "ring_feature_permute must be True, False or None (auto), got 1"),
         ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
         ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
+        ("stable_sizes", "on", "stable_sizes must be True, False or None (auto), got 'on'"),
         ("copy_ring", False, "no error"),
     ],
 )
