@@ -6,7 +6,8 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   **main** stream's pool, so they are reusable as soon as main drops the KJT, with no
   ``record_stream``. The data_dist stream waits on an event recorded on main after the
   allocation (a block handed to main may still be read by main's queued kernels).
-  :class:`EmptyOnMain` does the same for the all-to-all outputs (P2's inputs).
+  :class:`AllToAllOutputs` does the same for the all-to-all outputs (P2's inputs), and sizes
+  them (:class:`HighWater`: equal sizes from batch to batch, so that freed blocks fit).
 - :class:`BufferRing` (P1, the feature-order permute in ``input_dist``): pipeline-owned buffers,
   one slot per batch in flight. A slot is written only after an event recorded on main at the
   end of the step that last used it. Whole permute (3 slots): written on data_dist, the step
@@ -88,35 +89,38 @@ class HighWater:
         return torch.empty(self.numel(key, n), dtype=dtype, device=device)[:n].view(shape)
 
 
-def padded_allocator(sizes: HighWater, alloc: Allocator = allocate) -> Allocator:
-    """``alloc`` with the values (and weights) sized by ``sizes``, per permute site (the
-    lengths' shape and the dtypes)."""
+def padded_allocator(sizes: HighWater) -> Allocator:
+    """Exact lengths, values (and weights) sized by ``sizes``, keyed by the call's order (one
+    allocator per batch: its ``k``-th permute is the same site from batch to batch), the
+    lengths' shape and the dtypes."""
+    calls = 0
 
     def padded(spec: PermuteSpec) -> PermuteBuffers:
-        key = (spec.lengths_shape, spec.values_dtype, spec.weights_dtype)
-        return alloc(replace(spec, num_values=sizes.numel(key, spec.num_values)))
+        nonlocal calls
+        key = (calls, spec.lengths_shape, spec.values_dtype, spec.weights_dtype)
+        calls += 1
+        return allocate(replace(spec, num_values=sizes.numel(key, spec.num_values)))
 
     return padded
 
 
-def main_stream_allocator(main: torch.cuda.Stream | None, alloc: Allocator = allocate) -> Allocator:
-    """Allocate with ``alloc`` on ``main``; order the current (data_dist) stream after the
-    allocation.
+def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
+    """Allocate on ``main``; order the current (data_dist) stream after the allocation.
 
     The returned buffers belong to main's pool: the caller keeps a Python reference until the
     main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
     ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
     """
-    return lambda spec: on_main_stream(main, lambda: alloc(spec))
+    return lambda spec: on_main_stream(main, lambda: allocate(spec))
 
 
 class AllToAllOutputs(TorchFunctionMode):
     """Within the block, each ``torch.empty(shape, device=device, ...)`` (how torchrec's
     ``KJTAllToAllTensorsAwaitable`` makes the all-to-all outputs: the received lengths, values,
-    weights) is sized by ``sizes`` (keyed by its order in the block, dtype and trailing dims);
-    with ``keep`` given, it is allocated on ``main`` (:func:`on_main_stream`; plainly where
-    ``main`` is None: CPU) and appended to ``keep``. Every other call runs unchanged. Scoped to
-    the splits wait of the input dists.
+    weights) is sized by ``sizes`` (keyed by its order in the block, dtype and trailing dims;
+    None: exact sizes); with ``keep`` given, it is allocated on ``main``
+    (:func:`on_main_stream`; plainly where ``main`` is None: CPU) and appended to ``keep``.
+    Every other call runs unchanged. Scoped to the splits wait of the input dists.
 
     Contract with ``keep``: the caller keeps it until main has waited on the stream that reads
     the tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes
@@ -125,7 +129,8 @@ class AllToAllOutputs(TorchFunctionMode):
     all of main's queued work)."""
 
     def __init__(
-        self, sizes: HighWater, device: torch.device, keep: list[torch.Tensor] | None = None,
+        self, sizes: HighWater | None, device: torch.device,
+        keep: list[torch.Tensor] | None = None,
         main: torch.cuda.Stream | None = None,
     ) -> None:
         super().__init__()
@@ -143,7 +148,10 @@ class AllToAllOutputs(TorchFunctionMode):
         shape, dtype = tuple(args[0]), kwargs.get("dtype") or torch.get_default_dtype()
         key = (self.made, dtype, shape[1:])
         self.made += 1
-        make = lambda: self._sizes.empty(key, shape, dtype, torch.device(device))  # noqa: E731
+        if self._sizes is None:
+            make = lambda: func(*args, **kwargs)  # noqa: E731
+        else:
+            make = lambda: self._sizes.empty(key, shape, dtype, torch.device(device))  # noqa: E731
         if self._keep is None:
             return make()
         out = on_main_stream(self._main, make)
@@ -312,8 +320,11 @@ class CopyRing:
     finds it pending and takes a new segment (measured on 1 H100, large config: 3 batch-sized
     segments in that pool, 2 of them live). Here the copy stream waits on the device for the
     event after the slot's last reader instead, and the memory is written again. The slots take
-    over the memory of the batches copied before the positions were known, so the ring holds
-    what two batches' copies would.
+    over the memory of the batches copied before the positions were known (sized as the ring
+    sizes its buffers: :class:`HighWater` per position), so the ring holds what ``depth``
+    batches' copies would. ``depth`` must cover the batches copied between a batch's copy and
+    its early release: 1 where that release ends the batch's input dists (torchrec queues the
+    next copy right after them), 2 where it waits for a later point.
 
     Contract (streams): :meth:`destination` gives the copy of batch ``i`` (on ``stream``, the
     copy stream, current during the copy). The positions served are those that the last early
@@ -331,7 +342,7 @@ class CopyRing:
 
     def __init__(self, depth: int = 2) -> None:
         self._slots = [_CopySlot() for _ in range(depth)]
-        self._positions: frozenset[int] = frozenset()
+        self._positions: frozenset[int] | None = None  # None: not learned yet
         self._sizes = HighWater()  # bytes per copy position
         #: buffers given new memory because a tensor outside the ring still used them
         self.replaced = 0
@@ -352,10 +363,11 @@ class CopyRing:
             if not src.is_contiguous() or src.numel() == 0:
                 return None  # (an empty tensor has no memory to reuse, and data pointer 0)
             size = src.numel() * src.element_size()
-            if k not in positions:  # before the first release: fresh memory, sized as the
-                if positions:  # ring's (it may take it over); after it: not the ring's
-                    return None
+            if positions is None:  # before the first release: fresh memory, sized as the
+                # ring's (it may take it over)
                 return _typed(self._sizes.empty(k, (size,), torch.uint8, stream.device), src)
+            if k not in positions:
+                return None
             if not isinstance(wait, bool):  # the release event
                 stream.wait_event(wait)
             wait = True
@@ -364,7 +376,8 @@ class CopyRing:
                 self.replaced += 1
                 buffer = None
             if buffer is None or buffer.numel() < size:  # on the current (copy) stream
-                buffer = torch.empty(self._sizes.numel(k, size), dtype=torch.uint8, device=stream.device)
+                n = self._sizes.numel(k, size)
+                buffer = torch.empty(n, dtype=torch.uint8, device=stream.device)
                 slot.buffers[k] = buffer
             else:
                 self.reused += 1

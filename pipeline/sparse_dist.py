@@ -149,15 +149,19 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: modules, as torchrec's option does.
     free_inputs_early: bool = True
     #: Copy the P1 inputs that ``free_inputs_early`` frees into pipeline-owned memory
-    #: (:class:`~recpipe.pipeline.buffers.CopyRing`, one slot): the copy of batch i+2 reuses
-    #: batch i+1's, which the input dists have just read; the copy stream waits on the device
-    #: for the event after those reads, instead of taking a new segment while that memory
-    #: waits for data_dist's queued work. Wherever the inputs are freed early (CUDA) and the
-    #: copy is torchrec's default one (not ``inplace_copy_batch`` nor torchrec's
-    #: ``enable_inplace_copy_batch``; not with torchrec's ``free_features_storage_early``,
-    #: which frees the inputs itself); off with the rest below ``min_batch_bytes``.
-    #: Measured on 1 H100, large config: the memcpy pool holds one batch instead of two.
-    copy_ring: bool = True
+    #: (:class:`~recpipe.pipeline.buffers.CopyRing`) that an earlier batch's copy used: the
+    #: copy stream waits on the device for the event after that batch's input-dist reads,
+    #: instead of taking a new segment while its memory waits for data_dist's queued work.
+    #: One slot where the early free ends the input dists (the copy of batch i+2 reuses batch
+    #: i+1's: world size > 1), two with the split permute (batch i's: its early free waits for
+    #: the side stream, in ``wait_sparse_data_dist``). None (default) or True: wherever the
+    #: inputs are freed early (CUDA) and the copy is torchrec's default one (not
+    #: ``inplace_copy_batch`` nor torchrec's ``enable_inplace_copy_batch``; not with torchrec's
+    #: ``free_features_storage_early``, which frees the inputs itself); at world size 1 off
+    #: with the rest below ``min_batch_bytes``. Measured on 1 H100, large config: 11544 MiB
+    #: peak reserved against 12554 without it (1 rank); 2 ranks sharing the GPU: the memcpy
+    #: pool holds one batch instead of two.
+    copy_ring: bool | None = None
     #: World size > 1: size the batch-sized tensors that data_dist allocates once per batch at
     #: the same place (P1's outputs, the all-to-all outputs; the copy ring's buffers always
     #: are) to the largest seen there so far, plus 1/64 when it grows
@@ -177,12 +181,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: Off: on 2 H100s (large config, table-/row-wise, 1 run) main's pool grew by more than
     #: data_dist's shrank: 996 MiB more peak reserved, 1.01x the step time.
     all_to_all_outputs_on_main: bool = False
-    #: World size 1: act only where it pays. The first batch's P1 inputs (the input KJTs that
-    #: the pipelined modules' input dists permute) are measured; below this many bytes the
-    #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False): the
+    #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
+    #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
+    #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
     #: ring and the early frees save at most about a batch's KJTs, and cost host time every
-    #: step. Measured on 1 H100 (in one process, 5 x 50 steps): small config, 20 MiB of KJTs
-    #: per batch, 4.54 ms per step against torchrec's 4.08 for 18 MiB less peak reserved;
+    #: step), and at world size > 1 ``stable_sizes`` turns off. Measured on 1 H100 (in one
+    #: process, 5 x 50 steps): small config, 20 MiB of KJTs per batch, 4.54 ms per step
+    #: against torchrec's 4.08 for 18 MiB less peak reserved;
     #: large config, 1027 MiB: 4 GiB less at 0.985-1.065x torchrec's ms/iter (single runs).
     #: It applies on top of the other switches, ``ring_feature_permute = True`` included.
     #: The ring's memory goes back once the first batch is done. 0: always act.
@@ -262,11 +267,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._received: dict[int, list[torch.Tensor]] = {}  # batch index -> all-to-all outputs
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
         stable = cuda if self.stable_sizes is None else self.stable_sizes
-        self._received_sizes = HighWater() if stable or self._outputs_on_main else None
-        # P1's runner at world size > 1 (at world size 1: the ring's, or torchrec's)
-        self._sent_runner = None
-        if stable and world > 1:
-            self._sent_runner = write_into(padded_allocator(HighWater()))
+        # world size > 1: the all-to-all outputs' and P1's sizes (P1's runner: at world size 1
+        # the ring's, or torchrec's)
+        self._received_sizes = HighWater() if stable and world > 1 else None
+        self._sent_sizes = HighWater() if stable and world > 1 else None
         # decided on the first batch, as ``redirecting`` (``min_batch_bytes``)
         self._sizes_undecided = stable and world > 1 and self.min_batch_bytes > 0
         # P2's, exact sizes: main's pool shares its blocks with the activations, which the
@@ -278,7 +282,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._free_inputs = cuda and self.free_inputs_early
         #: whether batches may be copied into the copy ring (``_use_copy_ring``: from now on)
         self._copy_ring_on = (
-            self.copy_ring and self._free_inputs and not copies_or_frees_inputs_itself(self)
+            self.copy_ring is not False and self._free_inputs
+            and not copies_or_frees_inputs_itself(self)
         )
         self._use_copy_ring = self._copy_ring_on
         # The copy of batch i+2 comes after batch i+1's input dists are queued, which give the
@@ -311,11 +316,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # from _pipeline_model); torchrec switches to data_dist inside.
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
-        if batch is None or not (self._use_ring or self._free_inputs or self._sent_runner):
+        if batch is None or not (self._use_ring or self._free_inputs or self._sent_sizes):
             return super().start_sparse_data_dist(batch, context)
-        self._input_dist_runner = (
-            self._ring_runner(context.index) if self._use_ring else self._sent_runner
-        )
+        self._input_dist_runner = None
+        if self._use_ring:
+            self._input_dist_runner = self._ring_runner(context.index)
+        elif self._sent_sizes is not None:
+            self._input_dist_runner = write_into(padded_allocator(self._sent_sizes))
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
         inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
@@ -337,11 +344,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         side-stream writes, ring slot and early frees are keyed by batch)."""
         size = sum(kjt_nbytes(k) for k in {id(k): k for k in inputs}.values())
         pays = size >= self.min_batch_bytes
-        if self._sizes_undecided and not pays:
-            self._sent_runner = None
-            if not self._outputs_on_main:
-                self._received_sizes = None
-        self._sizes_undecided = False
+        if self._sizes_undecided and inputs:  # (no P1 ran: a later batch decides)
+            if not pays:
+                self._sent_sizes = self._received_sizes = None
+            self._sizes_undecided = False
         if self.redirecting is None:
             self.redirecting = pays
             if not pays:
@@ -445,7 +451,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 del vars(module)["input_dist"]
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-        if self._received_sizes is not None and self._redirect_dist_init:
+        if self._received_sizes is not None or self._outputs_on_main:
             # on main: kept until the batch's forward has made main wait
             keep = self._received.setdefault(context.index, []) if self._outputs_on_main else None
             sizes = self._received_sizes
@@ -505,12 +511,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
     """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
     otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
-    for name in ("split_input_dist_permute", "ring_feature_permute", "stable_sizes"):
+    for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring", "stable_sizes"):
         value = getattr(pipeline, name)
         if value is not None and type(value) is not bool:
             raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")
-    for name in ("inplace_copy_batch", "free_inputs_early", "copy_ring",
-                 "all_to_all_outputs_on_main"):
+    for name in ("inplace_copy_batch", "free_inputs_early", "all_to_all_outputs_on_main"):
         value = getattr(pipeline, name)
         if type(value) is not bool:
             raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.kjt import PermuteInto, allocate, kjt_permute_spec, permute_kjt, write_into
-from recpipe.pipeline.buffers import BufferRing, CopyRing, HighWater
+from recpipe.kjt import (
+    PermuteInto, PermuteSpec, allocate, kjt_permute_spec, permute_kjt, write_into,
+)
+from recpipe.pipeline.buffers import (
+    AllToAllOutputs, BufferRing, CopyRing, HighWater, padded_allocator,
+)
 
 
 def _kjt(weighted: bool = True, seed: int = 0) -> KeyedJaggedTensor:
@@ -244,3 +249,37 @@ def test_high_water_sizes_repeat_until_a_batch_outgrows_them() -> None:
     t = sizes.empty("dense", (64, 2), torch.float32, torch.device("cpu"))
     assert t.shape == (64, 2) and t.is_contiguous()
     assert t.untyped_storage().nbytes() == (128 + 2) * 4
+
+
+def test_one_slot_copy_ring_reuses_the_batch_just_released() -> None:
+    """Depth 1 (the early free ends the input dists): the copy of batch i+1 waits for batch
+    i's release event and writes batch i's memory."""
+    ring, stream = CopyRing(depth=1), _Stream()
+    first = _copy(ring, 0, stream, 0)
+    memory = _ptrs(*first[1:])
+    ring.release_early(0, first, memory, stream)  # (the slot adopts batch 0's memory)
+    b1 = _copy(ring, 1, stream, 1)
+    assert _ptrs(*b1[1:]) == memory
+    ring.release_early(1, b1, memory, stream)
+    b2 = _copy(ring, 2, stream, 2)
+    assert _ptrs(*b2[1:]) == memory and len(stream.waited) == 2 and bool((b2[1] == 2).all())
+    assert ring.replaced == 0 and ring.reused == 4
+
+
+def test_sized_allocations_repeat_per_site() -> None:
+    """P1's buffers are keyed by the call's order in the batch (two permutes of the same
+    shape keep their own sizes); the all-to-all outputs by their order in the splits wait."""
+    spec = PermuteSpec((2, 4), torch.int64, 1000, torch.int64, None, torch.device("cpu"))
+    sizes = HighWater()
+    alloc = padded_allocator(sizes)
+    big, small = alloc(spec), alloc(replace(spec, num_values=10))
+    assert big.values.numel() == 1015 and small.values.numel() == 10
+    again = padded_allocator(sizes)(replace(spec, num_values=990))  # the next batch, a bit smaller
+    assert again.values.numel() == 1015
+    received = HighWater()
+    for n in (640, 630):  # two batches' splits waits
+        with AllToAllOutputs(received, torch.device("cpu")) as mode:
+            out = torch.empty([n], device=torch.device("cpu"), dtype=torch.int64)
+            other = torch.empty(4, 2, device="cpu")  # not torchrec's form for them: as is
+        assert out.shape == (n,) and out.untyped_storage().nbytes() == 650 * 8 and mode.made == 1
+        assert other.untyped_storage().nbytes() == 4 * 2 * 4

@@ -148,7 +148,7 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
 @pytest.mark.parametrize(
     "name, value, expected",
     [
-        ("copy_ring", "no", "copy_ring must be True or False, got 'no'"),
+        ("copy_ring", "no", "copy_ring must be True, False or None (auto), got 'no'"),
         ("ring_feature_permute", 1, "ring_feature_permute must be True, False or None (auto), got 1"),
         ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
         ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
@@ -253,7 +253,7 @@ def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
 def test_stable_sizes_bit_identical_on_two_ranks() -> None:
     """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
-    the 3 modules' 2 groups, the weighted module's weights too) and P2's."""
+    the 3 modules' 2 groups, the weighted module's weights too); the losses stay torchrec's."""
     results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, StableSizesPipeline)
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
