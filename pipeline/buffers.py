@@ -42,6 +42,11 @@ from recpipe.kjt import (
 _HEADROOM = 64  # value buffers get 1/64 more than a batch needs: regrowth stays rare
 
 
+def _with_headroom(n: int) -> int:
+    """``n`` elements plus 1/64: the size a recurring buffer takes when it grows."""
+    return n + n // _HEADROOM
+
+
 T = TypeVar("T")
 
 
@@ -77,7 +82,7 @@ class HighWater:
         """Elements to allocate at ``key`` for a tensor of ``n`` (at least ``n``)."""
         have = self._numel.get(key, -1)
         if n > have:
-            have = n + n // _HEADROOM
+            have = _with_headroom(n)
             self._numel[key] = have
         return have
 
@@ -478,10 +483,9 @@ def _held_outside(buffers: PermuteBuffers, stale_refs: Callable[[torch.Tensor], 
 
 def _grown(spec: PermuteSpec) -> PermuteBuffers:
     """Buffers for ``spec`` with headroom on the values, allocated on the current stream."""
-    n = spec.num_values + spec.num_values // _HEADROOM
     return allocate(
         PermuteSpec(
-            spec.lengths_shape, spec.lengths_dtype, n, spec.values_dtype, spec.weights_dtype,
-            spec.device,
+            spec.lengths_shape, spec.lengths_dtype, _with_headroom(spec.num_values),
+            spec.values_dtype, spec.weights_dtype, spec.device,
         )
     )
