@@ -223,8 +223,11 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
         # The recat permute after the all-to-all runs in every 2-rank input dist; the
         # feature-order permute stays torchrec's (its only reader is the all-to-all), but for
         # the first batch on CUDA, whose size turns the stable sizes off (below
-        # min_batch_bytes: no all-to-all output is sized, not even the first batch's)
-        first = 3 if r["device"] == "cuda" else 0  # (its 3 modules' permutes)
+        # min_batch_bytes: no all-to-all output is sized, not even the first batch's). A plan
+        # of row-wise tables only keeps the features in their order: no feature permute at all
+        # (measured on 2 H100s over NCCL).
+        permutes = r["device"] == "cuda" and sharding != "row_wise"
+        first = 3 if permutes else 0  # (its 3 modules' permutes)
         assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
         assert r["redirected"].get("input_dist", 0) == first, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
