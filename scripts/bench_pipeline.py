@@ -10,7 +10,9 @@ steps. The data is made once per rank and cached under ``--data-dir``. Per step:
 run: peak allocated/reserved (``torch.cuda.max_memory_*``), allocator retries. The table (rank
 0's numbers) shows medians over the runs with min-max; losses of every run are checked equal
 across pipelines. The title gives the bytes of one batch's permuted KJTs on this rank (the input
-KJTs, all features kept).
+KJTs, all features kept). With ``--time-limit``, no run starts that would end after the limit
+(judged by the longest run so far); the table and ``--json`` cover the runs done, and the title
+gives each pipeline's count where they differ.
 """
 
 from __future__ import annotations
@@ -166,12 +168,20 @@ def fmt(xs: list[float], spec: str = ".0f") -> str:
     return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}-{max(xs):{spec}})"
 
 
+def _runs_title(names: list[str], runs: dict[str, list[dict]]) -> str:
+    """"5 alternating runs", or each pipeline's count where a time limit cut them short."""
+    counts = [len(runs[n]) for n in names]
+    if len(set(counts)) == 1:
+        return f"{counts[0]} alternating runs"
+    return "alternating runs (" + ", ".join(f"{n} {c}" for n, c in zip(names, counts)) + ")"
+
+
 def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) -> str:
     first = runs[names[0]][0]
     kjt_mib = first["kjt_mib"]
     rows = [
         f"\n### {a.config}: {first['world']} x {first['device']}, sharding "
-        f"{a.sharding.replace(',', '+')}, {a.repeats} alternating runs x {a.steps} steps "
+        f"{a.sharding.replace(',', '+')}, {_runs_title(names, runs)} x {a.steps} steps "
         f"(after {a.warmup} warm-up){', deterministic algorithms' if a.deterministic else ''}; "
         f"one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
         "| pipeline | ms/iter P50 | ms/iter P90 | samples/s | peak alloc MiB | peak reserved MiB | "
@@ -263,9 +273,15 @@ def main() -> None:
     p.add_argument("--replot", default=None, help="only re-plot a --json file into --plot")
     p.add_argument("--memory-cap-mib", type=float, default=None,
                    help="cap each process's GPU memory (set_per_process_memory_fraction)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds: start no run that, as long as the longest so far, would end "
+                        "after this (the first always starts); the table and --json then cover "
+                        "the runs done, e.g. within a device call's time limit")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.time_limit is not None and a.time_limit <= 0:
+        p.error(f"--time-limit must be > 0 seconds, got {a.time_limit:g}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if a.run_one:
@@ -282,21 +298,28 @@ def main() -> None:
                  if k in ("config", "sharding", "warmup", "steps", "distinct_batches", "data_dir")
                  or (k in ("batch_size", "profile", "snapshot", "memory_cap_mib") and v)]
     forwarded += ["--deterministic"] if a.deterministic else []
-    for r in range(a.repeats):
-        for name in names:
-            result = os.path.join(a.data_dir, f"result-{name}-{r}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={a.nproc}", __file__, f"--run-one={name}", f"--result={result}",
-                   *forwarded]
-            subprocess.run(cmd, check=True)
-            with open(result) as f:
-                res = json.load(f)
-            runs[name].append(res)
-            print(f"  run {r + 1}/{a.repeats} {name:9s}: {statistics.median(res['ms']):7.2f} ms/iter"
-                  f"  peak alloc {res['alloc']:7.0f} MiB  reserved {res['reserved']:7.0f} MiB"
-                  f"  retries {res['retries']}  alloc growth {res['growth']:+.1f} MiB"
-                  f"  ring {res['ring']:.0f} MiB  intercepted calls/step {res.get('seen', 0):.0f}",
-                  flush=True)
+    started, longest = time.monotonic(), 0.0
+    for r, name in ((r, n) for r in range(a.repeats) for n in names):
+        if longest and time.monotonic() - started + longest > (a.time_limit or float("inf")):
+            print(f"--time-limit {a.time_limit:g} s: no run {r + 1} of {name} or later", flush=True)
+            break
+        run_started = time.monotonic()
+        result = os.path.join(a.data_dir, f"result-{name}-{r}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={a.nproc}", __file__, f"--run-one={name}", f"--result={result}",
+               *forwarded]
+        subprocess.run(cmd, check=True)
+        with open(result) as f:
+            res = json.load(f)
+        runs[name].append(res)
+        print(f"  run {r + 1}/{a.repeats} {name:9s}: {statistics.median(res['ms']):7.2f} ms/iter"
+              f"  peak alloc {res['alloc']:7.0f} MiB  reserved {res['reserved']:7.0f} MiB"
+              f"  retries {res['retries']}  alloc growth {res['growth']:+.1f} MiB"
+              f"  ring {res['ring']:.0f} MiB  intercepted calls/step {res.get('seen', 0):.0f}",
+              flush=True)
+        longest = max(longest, time.monotonic() - run_started)
+    names = [n for n in names if runs[n]]  # (the first run always starts)
+    runs = {n: runs[n] for n in names}
     text, same = table(a, names, runs)
     print(text, flush=True)
     if a.out:

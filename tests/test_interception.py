@@ -136,4 +136,7 @@ def test_python_calls_per_step_do_not_grow_with_the_model() -> None:
     for tables, r in run_ranks(2, _python_calls_per_step, (4, 16))[0].items():
         assert r["torchrec"] > 0
         extra[tables] = r["recpipe"] - r["torchrec"]
-    assert extra[4] == extra[16], extra
+    # Equal up to noise: CI once counted 7 calls more in one window (1.2 per step; not seen in
+    # 10 repeated windows since, loaded or not). Work per table or feature would add at least
+    # 12 calls per step (16 - 4 tables).
+    assert abs(extra[16] - extra[4]) < 6, extra

@@ -4,11 +4,13 @@ device call, where time is scarce)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,6 +81,42 @@ def test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant(tmp_path:
     rows = [x for x in plane.stdout.splitlines() if x.startswith("| torchrec_lite ")]
     assert len(rows) == 1 and rows[0].endswith("x |")  # CPU runs are timed: a ratio column
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_bench_pipeline_time_limit_keeps_the_runs_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``--time-limit``: no run starts that would end after it, judged by the longest run so
+    far; the table and the JSON cover the runs done. Runs are faked (each writes its result and
+    moves a fake clock by 1 s), so that which runs fit is exact."""
+    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPTS / "bench_pipeline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    clock = [0.0]
+
+    def run(cmd: list[str], check: bool) -> None:
+        result = next(x.split("=", 1)[1] for x in cmd if x.startswith("--result="))
+        res = dict(ms=[1.0], losses=[0.5], alloc=0.0, reserved=0.0, retries=0, growth=0.0,
+                   ring=0.0, kjt_mib=1.0, world=1, device="cpu")
+        Path(result).write_text(json.dumps(res))
+        clock[0] += 1.0
+
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run))
+    monkeypatch.setattr(bench, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_pipeline.py", "--config=tiny", "--repeats=3", "--pipelines=torchrec,recpipe",
+        "--time-limit=3.5", f"--data-dir={tmp_path}", f"--json={out}"])
+    bench.main()  # runs end at 1, 2, 3 s; a 4th would end at 4 s
+    printed = capsys.readouterr().out
+    assert "--time-limit 3.5 s: no run 2 of recpipe or later" in printed
+    saved = json.loads(out.read_text())
+    assert {n: len(rs) for n, rs in saved["runs"].items()} == {"torchrec": 2, "recpipe": 1}
+    assert "alternating runs (torchrec 2, recpipe 1)" in saved["title"]
+    monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--time-limit=0"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--time-limit must be > 0 seconds" in capsys.readouterr().err
 
 
 def test_plot_pareto_memory_only_and_tax_share(tmp_path: Path) -> None:
