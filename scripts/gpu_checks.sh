@@ -56,7 +56,7 @@ case "${1:-}" in
     ;;&
   pipeline|pipeline-bench)  # large config, alternating runs
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
-      --pipelines "$pipelines" \
+      --pipelines "$pipelines" --time-limit "${BENCH_TIME_LIMIT:-540}" \
       --json "$out/large-$ngpu.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
       | grep -E "^  run|^\||vs|identical|^###|rror"
     ;;
@@ -68,7 +68,7 @@ case "${1:-}" in
     python3 scripts/profile_host.py --config small --pipelines torchrec,recpipe 2>/dev/null \
       | tee "$out/profile_small.txt" | head -2
     python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 300 --steps 100 \
-      --pipelines torchrec,recpipe --json "$out/small.json" --out "$out/small.md" 2>&1 \
+      --pipelines torchrec,recpipe --time-limit 300 --json "$out/small.json" --out "$out/small.md" 2>&1 \
       | tee "$out/small.log" | grep -E "^\||vs|rror"
     for i in 1 2 3; do
       for p in torchrec recpipe; do
