@@ -21,6 +21,9 @@ mkdir -p "$out"
 source .devenv/install.sh && source scripts/gpu_env.sh || exit 1
 export PYTHONWARNINGS=ignore
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+# seconds left of the device call (CALL_LIMIT, default 570, counted from this script's start)
+# minus $1: a bench's --time-limit, so that it reports the runs done before the call ends
+left() { local s=$(( ${CALL_LIMIT:-570} - SECONDS - ${1:-0} )); echo $(( s > 1 ? s : 1 )); }
 echo "gpus: $ngpu ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
 # the large pipeline config: row-wise needs >= 2 GPUs; the one-rank variant is the 3-slot ring
 # (torchrec's Base and Lite: the anchors of the memory-time plane)
@@ -56,9 +59,9 @@ case "${1:-}" in
     ;;&
   pipeline|pipeline-bench)  # large config, alternating runs
     python3 scripts/bench_pipeline.py --config large --repeats "${REPEATS:-5}" --sharding "$sharding" \
-      --pipelines "$pipelines" --time-limit "${BENCH_TIME_LIMIT:-540}" \
+      --pipelines "$pipelines" --time-limit "$(left)" \
       --json "$out/large-$ngpu.json" --out "$out/large.md" 2>&1 | tee "$out/large.log" \
-      | grep -E "^  run|^\||vs|identical|^###|rror"
+      | grep -E "^  run|^\||vs|identical|^###|time-limit|rror"
     ;;
   pipeline-checks) ;;
   host)  # 1 GPU, host-bound: both pipelines in one process (calls per step, step time), then
@@ -68,8 +71,8 @@ case "${1:-}" in
     python3 scripts/profile_host.py --config small --pipelines torchrec,recpipe 2>/dev/null \
       | tee "$out/profile_small.txt" | head -2
     python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 300 --steps 100 \
-      --pipelines torchrec,recpipe --time-limit 300 --json "$out/small.json" --out "$out/small.md" 2>&1 \
-      | tee "$out/small.log" | grep -E "^\||vs|rror"
+      --pipelines torchrec,recpipe --time-limit "$(left 200)" --json "$out/small.json" \
+      --out "$out/small.md" 2>&1 | tee "$out/small.log" | grep -E "^\||^###|vs|time-limit|rror"
     for i in 1 2 3; do
       for p in torchrec recpipe; do
         python3 scripts/train.py hardware=cuda data=movielens pipeline=$p trainer.checkpoint=false \
