@@ -316,7 +316,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # from _pipeline_model); torchrec switches to data_dist inside.
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
-        if batch is None or not (self._use_ring or self._free_inputs or self._sent_sizes):
+        acts = self._use_ring or self._free_inputs or self._sent_sizes is not None
+        if batch is None or not acts:
             return super().start_sparse_data_dist(batch, context)
         self._input_dist_runner = None
         if self._use_ring:
@@ -458,7 +459,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             with AllToAllOutputs(sizes, self._device, keep, self._main) as outputs:
                 super().wait_sparse_data_dist(context)
             self.stats.outputs_on_main += len(keep or ())
-            self.stats.outputs_sized += outputs.made
+            if sizes is not None:
+                self.stats.outputs_sized += outputs.made
         else:
             super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():

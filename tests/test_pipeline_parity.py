@@ -251,6 +251,8 @@ def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("outputs_on_main", 0) >= 13 * (STEPS - 1), r["redirected"]
+        # exact sizes without stable_sizes (off on CPU): none counted as sized
+        assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
 
 
 def test_stable_sizes_bit_identical_on_two_ranks() -> None:
