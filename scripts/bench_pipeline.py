@@ -31,13 +31,21 @@ from itertools import cycle, islice
 
 import torch
 import torch.distributed as dist
-from torch.cuda import _sanitizer
 
 from recpipe.bench.configs import CONFIGS
 from recpipe.bench.variants import DENSE_ALLREDUCE, PIPELINES, pipeline_names
 from recpipe.kjt import kjt_nbytes
 from recpipe.testing.launch import rank_backend_device
 from recpipe.testing.synthetic import ModelSpec, build_sharded, deterministic_kernels, make_batch
+
+
+def sanitizer_on() -> bool:
+    """Whether torch's CUDA sanitizer runs (``TORCH_CUDA_SANITIZER=1`` imports and enables it).
+    Never imports ``torch.cuda._sanitizer``: the import alone turns on torch's GPU trace, a Python
+    callback on every CUDA allocation, event and stream sync (torch 2.11-2.14), which made this
+    script's host-bound runs 2-5x slower per step until 2026-11-26."""
+    module = sys.modules.get("torch.cuda._sanitizer")
+    return module is not None and bool(module.cuda_sanitizer.enabled)
 
 
 def kjt_bytes(batch) -> int:
@@ -93,7 +101,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         # allocated memory from mid-run to the last step before the pipeline drains
         growth=(allocated[-3] - allocated[mid]) / 2**20,
         reserved_per_step=reserved,
-        sanitizer=bool(_sanitizer.cuda_sanitizer.enabled),
+        sanitizer=sanitizer_on(),
     )
 
 

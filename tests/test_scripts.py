@@ -83,6 +83,21 @@ def test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant(tmp_path:
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+def test_bench_pipeline_leaves_the_cuda_trace_off() -> None:
+    """The bench reports whether the CUDA sanitizer ran without importing
+    ``torch.cuda._sanitizer``: the import alone puts a Python callback on every CUDA allocation,
+    event and sync, which made host-bound GPU runs 2-5x slower per step."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('b', {str(SCRIPTS / 'bench_pipeline.py')!r})\n"
+        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)\n"
+        "print(b.sanitizer_on(), 'torch.cuda._sanitizer' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "False"]
+
+
 def test_bench_pipeline_time_limit_keeps_the_runs_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
