@@ -47,7 +47,7 @@ so the losses are bit-identical: recpipe's permute gives fbgemm's results exactl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -185,8 +185,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
     #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
     #: ring and the early frees save at most about a batch's KJTs, and cost host time every
-    #: step), and at world size > 1 ``stable_sizes`` turns off. Measured on 1 H100 (in one
-    #: process, 5 x 50 steps): small config, 20 MiB of KJTs per batch, 4.54 ms per step
+    #: step), and at world size > 1 ``stable_sizes`` turns off. Where the pipeline copied the
+    #: first batch (CUDA) and the whole copy is below the bound, that batch takes torchrec's
+    #: path too: no first use of recpipe's kernels (a Triton compile in a fresh process, and
+    #: MovieLens on 1 H100 ran its first 25 steps at half torchrec's speed). Measured on 1 H100
+    #: (in one process, 5 x 50 steps): small config, 20 MiB of KJTs per batch, 4.54 ms per step
     #: against torchrec's 4.08 for 18 MiB less peak reserved;
     #: large config, 1027 MiB: 4 GiB less at 0.985-1.065x torchrec's ms/iter (single runs).
     #: It applies on top of the other switches, ``ring_feature_permute = True`` included.
@@ -316,6 +319,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # from _pipeline_model); torchrec switches to data_dist inside.
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
+        copied = self._copied.get(context.index)  # (None or []: not copied by this pipeline)
+        if copied and (self.redirecting is None or self._sizes_undecided):
+            size = _nbytes(copied)  # its P1 inputs are at most its copy
+            if size < self.min_batch_bytes:  # decided now: torchrec's path for this batch too
+                self._decide(size)
         acts = self._use_ring or self._free_inputs or self._sent_sizes is not None
         if batch is None or not acts:
             return super().start_sparse_data_dist(batch, context)
@@ -329,7 +337,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
         free = self._free_inputs  # this batch's, whatever the decision says of the next ones
         if self.redirecting is None or self._sizes_undecided:
-            self._decide(inputs)
+            self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
         if not free:
             return
         if self.uses_split_permute:  # the side stream reads them: after its wait
@@ -337,15 +345,17 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         else:
             self._release_inputs(context.index, inputs)
 
-    def _decide(self, inputs: list[KeyedJaggedTensor]) -> None:
-        """After the first batch's input dist: below ``min_batch_bytes`` of P1 inputs, the
-        next batches take torchrec's path (copy, input dist; at world size 1), and no
-        high-water sizes at P1 and the all-to-all outputs (their interception costs host time
-        every step). The batches already in flight finish with what they started (their
-        side-stream writes, ring slot and early frees are keyed by batch)."""
-        size = sum(kjt_nbytes(k) for k in {id(k): k for k in inputs}.values())
+    def _decide(self, size: int, sizes: bool = True) -> None:
+        """Given ``size`` bytes of the first batch's P1 inputs, measured after its input dist
+        (or an upper bound before it, its whole copy: then that batch's input dist takes
+        torchrec's path too, with no first use of recpipe's kernels): below
+        ``min_batch_bytes``, the next batches take torchrec's path (copy, input dist; at world
+        size 1), and no high-water sizes at P1 and the all-to-all outputs (their interception
+        costs host time every step; ``sizes=False``: no P1 ran, a later batch decides them).
+        The batches already in flight finish with what they started (their side-stream writes,
+        ring slot and early frees are keyed by batch)."""
         pays = size >= self.min_batch_bytes
-        if self._sizes_undecided and inputs:  # (no P1 ran: a later batch decides)
+        if self._sizes_undecided and sizes:
             if not pays:
                 self._sent_sizes = self._received_sizes = None
             self._sizes_undecided = False
@@ -508,6 +518,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def ring_replaced(self) -> int:
         """P1 buffers given new memory because a result of an earlier batch still used them."""
         return self._ring.replaced
+
+
+def _nbytes(tensors_or_kjts: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:
+    """Bytes of the tensors and of the KJTs' tensors; 0 for none."""
+    return sum(
+        kjt_nbytes(x) if isinstance(x, KeyedJaggedTensor) else x.nbytes for x in tensors_or_kjts
+    )
 
 
 def _check_switches(pipeline: TrainPipelineSparseDist) -> None:

@@ -33,7 +33,7 @@ class RingEverywherePipeline(TrainPipelineSparseDist):
 
 
 class SmallBatchesPipeline(RingEverywherePipeline):
-    min_batch_bytes = 2**40  # every batch is small: torchrec's path after the first
+    min_batch_bytes = 2**40  # every batch is small: torchrec's path
 
 
 class SplitPermutePipeline(RingEverywherePipeline):
@@ -118,15 +118,18 @@ def test_single_rank_default_redirects_p1_on_cuda_only() -> None:
     assert bool(r["redirected"].get("input_dist")) == on_cuda and r["split"] == on_cuda
 
 
-def test_single_rank_small_batches_take_torchrecs_path_after_the_first() -> None:
-    """Below ``min_batch_bytes`` the first batch's P1 is the last redirected one (its ring
-    slot and side-stream write still end as they began, then the slot's memory goes back);
-    the losses stay torchrec's."""
+def test_single_rank_small_batches_take_torchrecs_path() -> None:
+    """Below ``min_batch_bytes``: on CUDA the pipeline's copy of the first batch is below it,
+    so no P1 is redirected at all; on CPU (nothing copied) the first batch's P1 inputs are
+    measured after its input dist, and its P1 is the last redirected one (its ring slot and
+    side-stream write still end as they began, then the slot's memory goes back). The losses
+    stay torchrec's."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, SmallBatchesPipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirecting"] is False and r["split"] and r["ring_nbytes"] == 0
     assert r["copy_ring_nbytes"] == 0
-    assert r["redirected"]["input_dist"] == 3  # the first batch's: one P1 per sparse module
+    # CPU: the first batch's, one P1 per sparse module
+    assert r["redirected"].get("input_dist", 0) == (0 if r["device"] == "cuda" else 3)
 
 
 def _with_switch(rank: int, world: int, device: torch.device, name: str, value: object) -> str:
@@ -221,15 +224,11 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
         assert len(r["torchrec"]) == STEPS, r
         assert r["recpipe"] == r["torchrec"], f"rank {rank}: losses differ"
         # The recat permute after the all-to-all runs in every 2-rank input dist; the
-        # feature-order permute stays torchrec's (its only reader is the all-to-all), but for
-        # the first batch on CUDA, whose size turns the stable sizes off (below
-        # min_batch_bytes: no all-to-all output is sized, not even the first batch's). A plan
-        # of row-wise tables only keeps the features in their order: no feature permute at all
-        # (measured on 2 H100s over NCCL).
-        permutes = r["device"] == "cuda" and sharding != "row_wise"
-        first = 3 if permutes else 0  # (its 3 modules' permutes)
+        # feature-order permute stays torchrec's (its only reader is the all-to-all). On CUDA
+        # the first batch's copy is below min_batch_bytes, which turns the stable sizes off
+        # before its input dist: no permute output and no all-to-all output is sized.
         assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
-        assert r["redirected"].get("input_dist", 0) == first, r["redirected"]
+        assert r["redirected"].get("input_dist", 0) == 0, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
         # what each batch's all-to-alls sent is given back a step early (all but the last batch)
         assert r["redirected"].get("released", 0) >= STEPS - 1, r["redirected"]
