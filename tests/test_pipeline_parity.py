@@ -53,6 +53,10 @@ class OutputsOnMainPipeline(TrainPipelineSparseDist):
     all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
 
 
+class ActOnSmallBatchesPipeline(TrainPipelineSparseDist):
+    min_batch_bytes = 0  # every other switch at its default
+
+
 def _train(
     rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
     ours: type = TrainPipelineSparseDist, spec: ModelSpec = ModelSpec(), options: dict | None = None,
@@ -110,9 +114,9 @@ def test_single_rank_feature_permute_bit_identical() -> None:
 
 
 def test_single_rank_default_redirects_p1_on_cuda_only() -> None:
-    """The default at world size 1: the ring on CUDA; on CPU torchrec's own P1 (no streams,
-    so a ring would only hold memory)."""
-    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS)
+    """The default at world size 1 (for batches that reach ``min_batch_bytes``): the ring on
+    CUDA; on CPU torchrec's own P1 (no streams, so a ring would only hold memory)."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, ActOnSmallBatchesPipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     on_cuda = r["device"] == "cuda"
     assert bool(r["redirected"].get("input_dist")) == on_cuda and r["split"] == on_cuda
