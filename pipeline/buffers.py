@@ -438,6 +438,10 @@ class CopyRing:
             if slot.buffers and _done(slot.released):
                 slot.buffers, slot.owner = {}, None
 
+    def storages(self) -> set[int]:
+        """The data pointers of the ring's memory."""
+        return {b.untyped_storage().data_ptr() for slot in self._slots for b in slot.buffers.values()}
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for slot in self._slots for b in slot.buffers.values())

@@ -162,6 +162,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: peak reserved against 12554 without it (1 rank); 2 ranks sharing the GPU: the memcpy
     #: pool holds one batch instead of two.
     copy_ring: bool | None = None
+    #: Copy-ring slots. None (default): 2 with the split permute, else 1. With the split
+    #: permute, 1 releases the copy at the end of the input dists on the side stream, after the
+    #: values write (the copy of batch i+2 then waits on the device for batch i+1's values
+    #: write, which waits for its P1 ring slot: main's end of step i-1); on 1 H100, large
+    #: config: 10518 MiB peak reserved against 11544 with 2 slots.
+    copy_ring_depth: int | None = None
     #: World size > 1: size the batch-sized tensors that data_dist allocates once per batch at
     #: the same place (P1's outputs, the all-to-all outputs; the copy ring's buffers always
     #: are) to the largest seen there so far, plus 1/64 when it grows
@@ -289,14 +295,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             and not copies_or_frees_inputs_itself(self)
         )
         self._use_copy_ring = self._copy_ring_on
-        # The copy of batch i+2 comes after batch i+1's input dists are queued, which give the
-        # copy ring i+1's copy back: one slot does. With the split permute the side stream
-        # reads the values, and the release waits for its write (wait_sparse_data_dist, after
-        # that copy): two slots, batch i's for batch i+2. (Released at the end of the input
-        # dists instead, on the side stream, one slot measured 1.13x torchrec's ms/iter on 1
-        # H100, large config: the copy then waits for the values write, which waits for the P1
-        # ring's slot, main's end of step i-1.)
-        self._copy_ring = CopyRing(depth=2 if split else 1)
+        depth = self.copy_ring_depth
+        if depth is None:
+            depth = 2 if split else 1
+        # With the split permute and one slot, the release is queued on the side stream after
+        # the values write, at the end of the input dists; else after data_dist's wait for it
+        self._copy_ring_on_side = split and depth == 1
+        self._copy_ring = CopyRing(depth=depth)
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._kjt_type = redirecting_kjt_type(
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
@@ -309,7 +314,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self.redirecting: bool | None = (
             None if acts and world == 1 and self.min_batch_bytes > 0 else acts
         )
-        self._releasable: dict[int, list[KeyedJaggedTensor]] = {}  # batch index -> P1 inputs
+        # batch index -> its P1 inputs and the copy positions the copy ring took back
+        self._releasable: dict[int, tuple[list[KeyedJaggedTensor], set[int] | None]] = {}
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
@@ -340,10 +346,15 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
         if not free:
             return
-        if self.uses_split_permute:  # the side stream reads them: after its wait
-            self._releasable[context.index] = inputs
-        else:
+        if not self.uses_split_permute:
             self._release_inputs(context.index, inputs)
+            return
+        served = None  # the side stream reads them: after data_dist's wait for it, but
+        if self._copy_ring_on_side and self._copy_ring_on and self._side is not None:
+            self._side.wait_stream(self._data_dist_stream)  # the copy ring's now, on the side
+            served = self._release_copies(context.index, inputs, self._side)
+            self._unpin_ring(self._values_done.get(context.index, []))
+        self._releasable[context.index] = (inputs, served)
 
     def _decide(self, size: int, sizes: bool = True) -> None:
         """Given ``size`` bytes of the first batch's P1 inputs, measured after its input dist
@@ -364,24 +375,49 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if not pays:
                 self._use_ring = self._free_inputs = self._use_copy_ring = False
 
-    def _release_inputs(self, index: int, inputs: list[KeyedJaggedTensor]) -> None:
+    def _release_copies(
+        self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream | None
+    ) -> set[int]:
+        """Give batch ``index``'s P1 inputs that the copy ring served back to the ring (every
+        reader of them is queued on ``stream`` or ordered before it); returns their copy
+        positions. Cached views of the inputs (``to_dict()``'s) are dropped first: they would
+        keep the memory (torchrec validates each module's first batch with ``to_dict()``)."""
+        kjts = {id(k): k for k in inputs}.values()
+        for kjt in kjts:
+            drop_cached_views(kjt)
+        if not self._copy_ring_on:  # (on for batches copied before a decision turned it off)
+            return set()
+        storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
+        storages.discard(0)  # (empty tensors)
+        return self._copy_ring.release_early(index, self._copied.get(index, []), storages, stream)
+
+    def _unpin_ring(self, writes: list[SideWrite]) -> None:
+        """The side writes keep their inputs (views: the lengths reshaped) alive until data_dist
+        has waited on them, for data_dist's memory; the copy ring's memory is the ring's, and
+        the copy stream waits on the ring's event before it writes there again: let go of it,
+        or the next copy would see it held and take new memory."""
+        ring = self._copy_ring.storages()
+        writes[:] = [
+            w._replace(inputs=tuple(
+                t for t in w.inputs if t is not None and t.untyped_storage().data_ptr() not in ring
+            ))
+            for w in writes
+        ]
+
+    def _release_inputs(
+        self, index: int, inputs: list[KeyedJaggedTensor], served: set[int] | None = None
+    ) -> None:
         """Free the storage of batch ``index``'s P1 inputs that the pipeline's own copy made
         (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
         Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
         recorded on the batch) or ordered before it (the split permute's side stream: data_dist
-        waited on it). Tensors that the copy ring served go back to the ring instead. Cached
-        views of the inputs (``to_dict()``'s) are dropped first: they would keep the memory."""
-        kjts = {id(k): k for k in inputs}.values()
-        for kjt in kjts:
-            drop_cached_views(kjt)
+        waited on it). Tensors that the copy ring served go back to the ring instead
+        (``served``: the positions it already took back, else here, on data_dist)."""
+        if served is None:
+            served = self._release_copies(index, inputs, self._data_dist_stream)
         made = self._copied.get(index, [])
-        served: set[int] = set()
-        if self._copy_ring_on:  # (also for batches copied before a decision turned it off)
-            storages = {t.untyped_storage().data_ptr() for kjt in kjts for t in kjt_tensors(kjt)}
-            storages.discard(0)  # (empty tensors)
-            served = self._copy_ring.release_early(index, made, storages, self._data_dist_stream)
         owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
-        for kjt in kjts:
+        for kjt in {id(k): k for k in inputs}.values():
             self.stats.inputs_freed_bytes += release_storage(kjt, owned)
 
     def copy_batch_to_gpu(
@@ -480,7 +516,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
-            self._release_inputs(context.index, self._releasable.pop(context.index, []))
+            self._release_inputs(context.index, *self._releasable.pop(context.index, ([], None)))
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
@@ -541,6 +577,9 @@ def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
     depth = pipeline.ring_depth
     if type(depth) is not int or depth < 1:
         raise ValueError(f"ring_depth must be an int >= 1 (slots; default 3), got {depth!r}")
+    depth = pipeline.copy_ring_depth
+    if depth is not None and (type(depth) is not int or depth < 1):
+        raise ValueError(f"copy_ring_depth must be an int >= 1 or None (auto), got {depth!r}")
     limit = pipeline.min_batch_bytes
     if type(limit) is not int or limit < 0:
         raise ValueError(

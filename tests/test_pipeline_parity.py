@@ -32,6 +32,10 @@ class RingEverywherePipeline(TrainPipelineSparseDist):
     min_batch_bytes = 0  # for every batch, however small
 
 
+class OneSlotCopyRingPipeline(RingEverywherePipeline):
+    copy_ring_depth = 1  # with the split permute: released on the side stream
+
+
 class SmallBatchesPipeline(RingEverywherePipeline):
     min_batch_bytes = 2**40  # every batch is small: torchrec's path
 
@@ -99,11 +103,12 @@ if GPU2:
     SHARDINGS.update(row_wise=["row_wise"], mixed_tw_rw_cw=["table_wise", "row_wise", "column_wise"])
 
 
-def test_single_rank_feature_permute_bit_identical() -> None:
+@pytest.mark.parametrize("ours", [RingEverywherePipeline, OneSlotCopyRingPipeline])
+def test_single_rank_feature_permute_bit_identical(ours: type) -> None:
     """World size 1: only the feature-order permute (P1) runs; with the ring (the default on
     CUDA; forced here, for CPU) split: lengths on data_dist, values into the depth-2 ring on a
-    side stream."""
-    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, RingEverywherePipeline)
+    side stream. The copy ring's default 2 slots, and 1 (released on the side stream)."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
     assert r["split"] and r["ring_replaced"] == 0  # in steady state slots are reused in place
@@ -160,6 +165,7 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
         ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
         ("stable_sizes", "on", "stable_sizes must be True, False or None (auto), got 'on'"),
+        ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 or None (auto), got 0"),
         ("copy_ring", False, "no error"),
     ],
 )
