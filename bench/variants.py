@@ -67,7 +67,6 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
     "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
     "recpipe_no_copy_ring": _variant("RecpipeNoCopyRing", copy_ring=False),
-    "recpipe_copy_ring1": _variant("RecpipeCopyRing1", copy_ring_depth=1),
     "recpipe_copy_ring2": _variant("RecpipeCopyRing2", copy_ring_depth=2),
     "recpipe_exact_sizes": _variant("RecpipeExactSizes", stable_sizes=False),
     # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)

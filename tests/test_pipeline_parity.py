@@ -32,8 +32,8 @@ class RingEverywherePipeline(TrainPipelineSparseDist):
     min_batch_bytes = 0  # for every batch, however small
 
 
-class OneSlotCopyRingPipeline(RingEverywherePipeline):
-    copy_ring_depth = 1  # with the split permute: released on the side stream
+class TwoSlotCopyRingPipeline(RingEverywherePipeline):
+    copy_ring_depth = 2  # with the split permute: released after data_dist's wait
 
 
 class SmallBatchesPipeline(RingEverywherePipeline):
@@ -103,11 +103,11 @@ if GPU2:
     SHARDINGS.update(row_wise=["row_wise"], mixed_tw_rw_cw=["table_wise", "row_wise", "column_wise"])
 
 
-@pytest.mark.parametrize("ours", [RingEverywherePipeline, OneSlotCopyRingPipeline])
+@pytest.mark.parametrize("ours", [RingEverywherePipeline, TwoSlotCopyRingPipeline])
 def test_single_rank_feature_permute_bit_identical(ours: type) -> None:
     """World size 1: only the feature-order permute (P1) runs; with the ring (the default on
     CUDA; forced here, for CPU) split: lengths on data_dist, values into the depth-2 ring on a
-    side stream. The copy ring's default 2 slots, and 1 (released on the side stream)."""
+    side stream. The copy ring's default 1 slot (released on the side stream), and 2."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
@@ -165,7 +165,7 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
         ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
         ("stable_sizes", "on", "stable_sizes must be True, False or None (auto), got 'on'"),
-        ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 or None (auto), got 0"),
+        ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 (slots; default 1), got 0"),
         ("copy_ring", False, "no error"),
     ],
 )
