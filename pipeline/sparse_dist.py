@@ -25,10 +25,11 @@ where the two permutes of the sparse input distribution write (docs/design.md):
 - The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
   dists are queued, as torchrec >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
   and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
-- The copies of those inputs (``copy_ring``, world size 1): into a pipeline-owned
-  :class:`~recpipe.pipeline.buffers.CopyRing` of 2 slots, written again once data_dist has
-  queued the input dists' reads, instead of fresh memcpy-stream memory that returns to the pool
-  only when data_dist's queued work is done.
+- The copies of those inputs (``copy_ring``, CUDA): into a pipeline-owned
+  :class:`~recpipe.pipeline.buffers.CopyRing` of one slot (``copy_ring_depth``), written again
+  once the input dists' reads are queued (with the split permute, the side stream's values
+  write too), instead of fresh memcpy-stream memory that returns to the pool only when
+  data_dist's queued work is done.
 - The batch copy itself (``inplace_copy_batch``, off by default): main-stream memory for any
   ``Pipelineable`` (:func:`recpipe.kjt.copy_batch`).
 
@@ -152,13 +153,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: (:class:`~recpipe.pipeline.buffers.CopyRing`) that an earlier batch's copy used: the
     #: copy stream waits on the device for the event after that batch's input-dist reads,
     #: instead of taking a new segment while its memory waits for data_dist's queued work.
-    #: One slot where the early free ends the input dists (the copy of batch i+2 reuses batch
-    #: i+1's: world size > 1), two with the split permute (batch i's: its early free waits for
-    #: the side stream, in ``wait_sparse_data_dist``). None (default) or True: wherever the
+    #: The early free ends the input dists, so the copy of batch i+2 reuses batch i+1's
+    #: memory: one slot (``copy_ring_depth``). None (default) or True: wherever the
     #: inputs are freed early (CUDA) and the copy is torchrec's default one (not
     #: ``inplace_copy_batch`` nor torchrec's ``enable_inplace_copy_batch``; not with torchrec's
     #: ``free_features_storage_early``, which frees the inputs itself); at world size 1 off
-    #: with the rest below ``min_batch_bytes``. Measured on 1 H100, large config: 11544 MiB
+    #: with the rest below ``min_batch_bytes``. Measured on 1 H100, large config: 10518 MiB
     #: peak reserved against 12554 without it (1 rank); 2 ranks sharing the GPU: the memcpy
     #: pool holds one batch instead of two.
     copy_ring: bool | None = None
