@@ -345,7 +345,7 @@ class CopyRing:
     allocator, which knows its streams).
     """
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 1) -> None:
         self._slots = [_CopySlot() for _ in range(depth)]
         self._positions: frozenset[int] | None = None  # None: not learned yet
         self._sizes = HighWater()  # bytes per copy position

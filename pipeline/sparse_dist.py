@@ -167,8 +167,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: i+2 waits on the device for batch i+1's values write, which waits for its P1 ring slot
     #: (main's end of step i-1). 2 release it after data_dist's wait for the values
     #: (``wait_sparse_data_dist``), so batch i+2's copy reuses batch i's slot. Measured on 1
-    #: H100, large config, 5 alternating runs each: 1 slot 10518 MiB peak reserved at 0.966x
-    #: torchrec's ms/iter, 2 slots 11558 MiB at 0.965x.
+    #: H100, large config, 5 alternating runs in each of two calls: 1 slot 10518 MiB peak
+    #: reserved at 0.966x torchrec's ms/iter, 2 slots 11558 MiB at 0.965x.
     copy_ring_depth: int = 1
     #: World size > 1: size the batch-sized tensors that data_dist allocates once per batch at
     #: the same place (P1's outputs, the all-to-all outputs; the copy ring's buffers always
@@ -375,7 +375,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self._use_ring = self._free_inputs = self._use_copy_ring = False
 
     def _release_copies(
-        self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream | None
+        self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream
     ) -> set[int]:
         """Give batch ``index``'s P1 inputs that the copy ring served back to the ring (every
         reader of them is queued on ``stream`` or ordered before it); returns their copy

@@ -258,6 +258,7 @@ def test_one_slot_copy_ring_reuses_the_batch_just_released() -> None:
     first = _copy(ring, 0, stream, 0)
     memory = _ptrs(*first[1:])
     ring.release_early(0, first, memory, stream)  # (the slot adopts batch 0's memory)
+    assert ring.storages() == memory  # (what the pipeline's side writes let go of)
     b1 = _copy(ring, 1, stream, 1)
     assert _ptrs(*b1[1:]) == memory
     ring.release_early(1, b1, memory, stream)

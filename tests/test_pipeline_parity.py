@@ -103,7 +103,11 @@ if GPU2:
     SHARDINGS.update(row_wise=["row_wise"], mixed_tw_rw_cw=["table_wise", "row_wise", "column_wise"])
 
 
-@pytest.mark.parametrize("ours", [RingEverywherePipeline, TwoSlotCopyRingPipeline])
+@pytest.mark.parametrize("ours", [
+    RingEverywherePipeline,
+    pytest.param(TwoSlotCopyRingPipeline, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the copy ring acts on CUDA only")),
+])
 def test_single_rank_feature_permute_bit_identical(ours: type) -> None:
     """World size 1: only the feature-order permute (P1) runs; with the ring (the default on
     CUDA; forced here, for CPU) split: lengths on data_dist, values into the depth-2 ring on a
