@@ -1,6 +1,6 @@
 """recpipe.kjt: permute KeyedJaggedTensors into buffers sized from host metadata."""
 
-from recpipe.kjt.copy import Destination, copy_batch
+from recpipe.kjt.copy import Destination, Later, copy_batch
 from recpipe.kjt.permute import (
     Allocator,
     PermuteBuffers,
@@ -19,6 +19,7 @@ from recpipe.kjt.storage import kjt_nbytes, kjt_tensors, release_storage
 __all__ = [
     "Allocator",
     "Destination",
+    "Later",
     "PermuteBuffers",
     "PermuteInto",
     "PermuteSpec",

@@ -16,17 +16,27 @@ strides) stays what the batch's ``to`` makes of it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from contextlib import nullcontext
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 T = TypeVar("T")
 
+
+
+class Later(NamedTuple):
+    """A destination that the caller of :func:`copy_batch` writes itself, later: the batch
+    gets ``tensor`` unwritten."""
+
+    tensor: torch.Tensor
+
+
 #: ``into(k, src)``: the device tensor (``src``'s shape and dtype) that the batch's ``k``-th
 #: host-to-device copy writes, on the copy stream; it orders that stream after the memory's last
-#: readers itself. None: a fresh allocation.
-Destination = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+#: readers itself. None: a fresh allocation. :class:`Later`: no copy here (the caller's).
+Destination = Callable[[int, torch.Tensor], "torch.Tensor | Later | None"]
 
 
 class _CopyOn(TorchFunctionMode):
@@ -48,7 +58,9 @@ class _CopyOn(TorchFunctionMode):
             return func(*args, **kwargs)
         src, non_blocking = args[0], kwargs.get("non_blocking", False)
         out = None if self.into is None else self.into(len(self.made), src)
-        if out is not None:
+        if isinstance(out, Later):
+            out = out.tensor
+        elif out is not None:
             with self.stream:
                 out.copy_(src, non_blocking=non_blocking)
         elif self.inplace:
@@ -96,12 +108,14 @@ def copy_batch(
     caller's (and ``into``'s) memory, as opposed to tensors that ``to`` returned as they were
     (already on ``device``). ``into`` (see :data:`Destination`) may give the ``k``-th its
     memory.
-    ``stream=None`` (CPU pipelines): a plain ``batch.to(device, non_blocking=True)``.
+    ``stream=None`` (CPU pipelines): a plain ``batch.to(device, non_blocking=True)``, where
+    ``into`` may still give destinations (:class:`Later` ones only: nothing is copied on CPU).
     """
-    if stream is None:
+    if stream is None and into is None:
         return batch.to(device, non_blocking=True)
     mode = _CopyOn(
         _indexed(torch.device(device)), stream, [] if made is None else made, inplace, into
     )
-    with torch.cuda.stream(torch.cuda.current_stream() if inplace else stream), mode:
+    current = torch.cuda.current_stream() if inplace else stream
+    with nullcontext() if stream is None else torch.cuda.stream(current), mode:
         return batch.to(device, non_blocking=True)

@@ -131,15 +131,18 @@ class AllToAllOutputs(TorchFunctionMode):
     the tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes
     main wait on data_dist after it), and calls nothing in the block after the first allocation
     that syncs the host with the current stream (the event makes the current stream wait for
-    all of main's queued work)."""
+    all of main's queued work). ``before()`` runs once, before the first output is made: after
+    the host's read of the splits, before any all-to-all is queued."""
 
     def __init__(
         self, sizes: HighWater | None, device: torch.device,
         keep: list[torch.Tensor] | None = None,
         main: torch.cuda.Stream | None = None,
+        before: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self._sizes, self._device, self._keep, self._main = sizes, device, keep, main
+        self._before = before
         #: the all-to-all outputs made in the block
         self.made = 0
 
@@ -151,6 +154,9 @@ class AllToAllOutputs(TorchFunctionMode):
                 or torch.device(device).type != self._device.type):
             return func(*args, **kwargs)
         shape, dtype = tuple(args[0]), kwargs.get("dtype") or torch.get_default_dtype()
+        if self._before is not None:
+            before, self._before = self._before, None
+            before()
         key = (self.made, dtype, shape[1:])
         self.made += 1
         if self._sizes is None:
@@ -161,6 +167,13 @@ class AllToAllOutputs(TorchFunctionMode):
             return make()
         out = on_main_stream(self._main, make)
         self._keep.append(out)
+        return out
+
+    def __exit__(self, exc_type, exc_value, traceback):  # noqa: ANN001
+        out = super().__exit__(exc_type, exc_value, traceback)
+        if self._before is not None:  # no output made: nothing was sent
+            before, self._before = self._before, None
+            before()
         return out
 
 
@@ -370,7 +383,7 @@ class CopyRing:
             size = src.numel() * src.element_size()
             if positions is None:  # before the first release: fresh memory, sized as the
                 # ring's (it may take it over)
-                return _typed(self._sizes.empty(k, (size,), torch.uint8, stream.device), src)
+                return on_storage(self._sizes.empty(k, (size,), torch.uint8, stream.device), src)
             if k not in positions:
                 return None
             if not isinstance(wait, bool):  # the release event
@@ -387,7 +400,7 @@ class CopyRing:
             else:
                 self.reused += 1
             slot.served.add(k)
-            return _typed(buffer, src)
+            return on_storage(buffer, src)
 
         return into
 
@@ -447,7 +460,7 @@ class CopyRing:
         return sum(b.numel() for slot in self._slots for b in slot.buffers.values())
 
 
-def _typed(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def on_storage(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A tensor of ``like``'s dtype and shape at the start of ``buffer``'s storage: on the
     storage, not a view, so that emptying it later (``set_()``) keeps no reference."""
     return torch.empty(0, dtype=like.dtype, device=buffer.device).set_(

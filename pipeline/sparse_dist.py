@@ -32,6 +32,10 @@ where the two permutes of the sparse input distribution write (docs/design.md):
   data_dist's queued work is done.
 - The batch copy itself (``inplace_copy_batch``, off by default): main-stream memory for any
   ``Pipelineable`` (:func:`recpipe.kjt.copy_batch`).
+- World size > 1 (``permuted_copy``): one KJT's values copied to the device already in P1's
+  order, into one pipeline-owned slot (:class:`~recpipe.pipeline.permuted_copy.PermutedCopy`),
+  so that P1 permutes its lengths alone and the all-to-all sends the copy itself: one
+  batch-sized tensor less in flight.
 
 How the permutes are reached: Python runs at P1 and P2 only. The batch's KJTs take a
 per-pipeline subclass (:func:`recpipe.kjt.redirecting_kjt_type`) during each pipelined module's
@@ -51,10 +55,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.train_pipeline.pipeline_context import In, Out, TrainPipelineContext
 from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSparseDist as _TorchrecTrainPipelineSparseDist,
@@ -65,6 +71,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recpipe.kjt import (
     RedirectStats,
     Runner,
+    allocate,
     as_type,
     copy_batch,
     kjt_nbytes,
@@ -82,6 +89,7 @@ from recpipe.pipeline.buffers import (
     main_stream_allocator,
     padded_allocator,
 )
+from recpipe.pipeline.permuted_copy import PermutedCopy
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
@@ -102,12 +110,14 @@ class PipelineStats(RedirectStats):
     (``dist_init``) and the torch calls the interception saw (``seen``); all-to-alls whose sent
     inputs were given back a step early (``released``); bytes of input KJTs freed early
     (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``) and
-    sized to their high-water mark (``outputs_sized``)."""
+    sized to their high-water mark (``outputs_sized``); batches copied in P1's order
+    (``permuted_copies``)."""
 
     released: int = 0
     inputs_freed_bytes: int = 0
     outputs_on_main: int = 0
     outputs_sized: int = 0
+    permuted_copies: int = 0
 
 
 class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
@@ -189,6 +199,18 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: Off: on 2 H100s (large config, table-/row-wise, 1 run) main's pool grew by more than
     #: data_dist's shrank: 996 MiB more peak reserved, 1.01x the step time.
     all_to_all_outputs_on_main: bool = False
+    #: World size > 1: copy the values (and weights) of the batch's largest KJT that an
+    #: EmbeddingBagCollection's P1 permutes whole already in P1's feature order, into one
+    #: pipeline-owned slot (:class:`~recpipe.pipeline.permuted_copy.PermutedCopy`): P1 then
+    #: permutes the lengths alone and the all-to-all sends the copy, instead of a second
+    #: batch-sized tensor on data_dist. The copy into the slot waits for the previous batch's
+    #: all-to-all (the host queues it after ``wait_sparse_data_dist``, on a side stream), and
+    #: data_dist waits for it after the splits' host read. Needs a plan of table-wise,
+    #: column-wise and row-wise tables only (data-parallel tables take P1's output to main).
+    #: None (default): on CUDA where the inputs are freed early, without row-wise tables (a
+    #: row-wise group bucketizes the values before the splits' host read, which would then
+    #: wait for the copy); True also with them, and on CPU (the tests).
+    permuted_copy: bool | None = None
     #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
     #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
@@ -246,15 +268,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             ring = world == 1 and cuda
         self._use_ring = ring and not clears_data_dist_inputs(self)
         split = self.split_input_dist_permute
+        self._bucketized = _bucketized(self._model)
         if split is None:
-            split = self._use_ring and world == 1 and not _bucketized(self._model)
+            split = self._use_ring and world == 1 and not self._bucketized
         elif split:
             if world > 1:
                 raise ValueError(
                     "split_input_dist_permute needs world size 1: with more ranks the values "
                     "all-to-all is queued before data_dist could wait for the values"
                 )
-            if _bucketized(self._model):
+            if self._bucketized:
                 raise ValueError(
                     "split_input_dist_permute: a row-wise input dist bucketizes the values on "
                     "data_dist before data_dist could wait for them"
@@ -296,7 +319,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self.copy_ring is not False and self._free_inputs
             and not copies_or_frees_inputs_itself(self)
         )
+        self._permuted = self._permuted_copy(world, cuda)
+        if self._permuted is not None:  # (its slot holds the values: nothing left to ring)
+            self._copy_ring_on = False
         self._use_copy_ring = self._copy_ring_on
+        self._sends_released: set[int] = set()  # batches whose all-to-all inputs went
         # With the split permute and one slot, the release is queued on the side stream after
         # the values write, at the end of the input dists; else after data_dist's wait for it
         self._copy_ring_on_side = split and self.copy_ring_depth == 1
@@ -306,7 +333,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
             self._permuted_inputs.append,
         )
-        acts = self._use_ring or self._free_inputs or world > 1
+        acts = self._use_ring or self._free_inputs or world > 1 or self._permuted is not None
         #: Whether recpipe's switches act: None until the first batch's input dist decides
         #: (world size 1, ``min_batch_bytes``); False where they never do (one CPU rank) or once
         #: the first batch was below ``min_batch_bytes`` (torchrec's code path since).
@@ -329,7 +356,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             size = _nbytes(copied)  # its P1 inputs are at most its copy
             if size < self.min_batch_bytes:  # decided now: torchrec's path for this batch too
                 self._decide(size)
-        acts = self._use_ring or self._free_inputs or self._sent_sizes is not None
+        permuted = self._permuted
+        acts = (self._use_ring or self._free_inputs or self._sent_sizes is not None
+                or permuted is not None)
         if batch is None or not acts:
             return super().start_sparse_data_dist(batch, context)
         self._input_dist_runner = None
@@ -337,12 +366,24 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._input_dist_runner = self._ring_runner(context.index)
         elif self._sent_sizes is not None:
             self._input_dist_runner = write_into(padded_allocator(self._sent_sizes))
+        if permuted is not None:
+            owner = permuted.blocking(context.index)
+            if owner is not None:  # (not in torchrec's order: its wait comes first)
+                self._sends_done(owner)
+            if self._bucketized:  # the bucketize reads the values before the splits' read
+                permuted.wait(context.index, self._data_dist_stream)
+            self._input_dist_runner = permuted.runner(
+                context.index, self._input_dist_runner or write_into(allocate),
+                self._copied.get(context.index, []),
+            )
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
         inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
         free = self._free_inputs  # this batch's, whatever the decision says of the next ones
         if self.redirecting is None or self._sizes_undecided:
             self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
+        if self._permuted is not None:
+            self._permuted.learned()
         if not free:
             return
         if not self.uses_split_permute:
@@ -367,7 +408,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         pays = size >= self.min_batch_bytes
         if self._sizes_undecided and sizes:
             if not pays:
-                self._sent_sizes = self._received_sizes = None
+                self._sent_sizes = self._received_sizes = self._permuted = None
             self._sizes_undecided = False
         if self.redirecting is None:
             self.redirecting = pays
@@ -414,6 +455,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         (``served``: the positions it already took back, else here, on data_dist)."""
         if served is None:
             served = self._release_copies(index, inputs, self._data_dist_stream)
+        if self._permuted is not None:
+            served = served | self._permuted.positions(index)
         made = self._copied.get(index, [])
         owned = {t.untyped_storage().data_ptr() for k, t in enumerate(made) if k not in served}
         for kjt in {id(k): k for k in inputs}.values():
@@ -422,8 +465,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def copy_batch_to_gpu(
         self, dataloader_iter: Iterator[In]
     ) -> tuple[In | None, TrainPipelineContext | None]:
-        """torchrec's copy on the memcpy stream, noting which tensors it made (to free early)."""
-        if not self._free_inputs:
+        """torchrec's copy on the memcpy stream, noting which tensors it made (to free early),
+        and the permuted copy's."""
+        if not self._free_inputs and self._permuted is None:
             return super().copy_batch_to_gpu(dataloader_iter)
         return self._copy_next(dataloader_iter, inplace=False)
 
@@ -449,9 +493,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 consumer = torch.cuda.current_stream(self._device)
                 return executor.submit(self._copy_on, consumer, batch, made), context
             into = None
-            if self._use_copy_ring and not inplace:
+            if self._permuted is not None and not inplace:
+                into = self._permuted.destination(context.index)
+            elif self._use_copy_ring and not inplace:
                 into = self._copy_ring.destination(context.index, self._memcpy_stream)
             batch = copy_batch(batch, self._device, self._memcpy_stream, made, inplace, into)
+            if self._permuted is not None:
+                self._permuted.copied(context.index)
         elif not self._execute_all_batches:
             raise StopIteration
         return batch, context
@@ -467,13 +515,48 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         request, a step after the all-to-all read them, so that the next batch's input dist
         would allocate beside them. On data_dist, which allocated them and now waits for the
         all-to-all (a device-side wait): the next batch's allocations there reuse the memory
-        in stream order. The host has issued the all-to-all a step ago; nothing waits on main.
+        in stream order. The host has issued the all-to-all a step ago (with the permuted copy:
+        just now); nothing waits on main.
         """
+        if context.index in self._sends_released:
+            return
+        self._sends_released.add(context.index)
         with self._stream_context(self._data_dist_stream):
             for request in context.input_dist_tensors_requests.values():
                 for awaitable in all_to_all_awaitables(request):
                     release_all_to_all_input(awaitable)
                     self.stats.released += 1
+
+    def _sends_done(self, index: int) -> None:
+        """Batch ``index``'s all-to-alls have sent its values (data_dist waits for them): the
+        permuted copy's slot may take the next batch. A batch no longer in the pipeline was
+        read by main's queued work."""
+        context = next((c for c in self.contexts if c.index == index), None)
+        if context is not None:
+            self._release_sent_inputs(context)
+        stream = self._data_dist_stream if context is not None else self._main
+        assert self._permuted is not None
+        self._permuted.sent(index, None if stream is None else stream.record_event())
+
+    def _permuted_copy(self, world: int, cuda: bool) -> PermutedCopy | None:
+        """The resolved ``permuted_copy`` switch."""
+        on = self.permuted_copy
+        types = _sharding_types(self._model)
+        torchrecs = copies_or_frees_inputs_itself(self) or clears_data_dist_inputs(self)
+        if on is None:
+            on = (world > 1 and self._free_inputs and not torchrecs and not self.inplace_copy_batch
+                  and bool(types) and types <= _UNBUCKETIZED)
+        elif on:
+            problem = (
+                "world size 1 (no all-to-all reads the values)" if world == 1
+                else "a plan with data-parallel tables (main reads their values)"
+                if not types or "data_parallel" in types
+                else "inplace_copy_batch or torchrec's own copy and input frees"
+                if torchrecs or self.inplace_copy_batch else None
+            )
+            if problem:
+                raise ValueError(f"permuted_copy = True does not work with {problem}; leave it None")
+        return PermutedCopy(torch.cuda.Stream(self._device) if cuda else None) if on else None
 
     def _ring_runner(self, batch_index: int) -> Runner:
         if self.uses_split_permute:
@@ -489,24 +572,41 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         the instance ``__dict__``: ``nn.Module.__setattr__`` costs host time every step)."""
         modules = list(self._pipelined_modules)
         for module in modules:
-            vars(module)["input_dist"] = _with_kjt_type(module.input_dist, self._kjt_type)
+            vars(module)["input_dist"] = _with_kjt_type(
+                module.input_dist, self._kjt_type, self._plannable(module)
+            )
         try:
             yield
         finally:
             for module in modules:
                 del vars(module)["input_dist"]
 
+    def _plannable(self, module: torch.nn.Module) -> Callable[[], None] | None:
+        """Before ``module``'s input dist: tell the permuted copy whether its P1 may be planned
+        (an EmbeddingBagCollection's: nothing else keeps P1's output)."""
+        permuted = self._permuted
+        if permuted is None:
+            return None
+        ok = isinstance(module, ShardedEmbeddingBagCollection)
+        return partial(setattr, permuted, "plannable", ok)
+
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
+        permuted = self._permuted
+        before = None  # data_dist waits for the permuted copy: after the splits' host read
+        if permuted is not None and not self._bucketized:
+            before = partial(permuted.wait, context.index, self._data_dist_stream)
         if self._received_sizes is not None or self._outputs_on_main:
             # on main: kept until the batch's forward has made main wait
             keep = self._received.setdefault(context.index, []) if self._outputs_on_main else None
             sizes = self._received_sizes
-            with AllToAllOutputs(sizes, self._device, keep, self._main) as outputs:
+            with AllToAllOutputs(sizes, self._device, keep, self._main, before) as outputs:
                 super().wait_sparse_data_dist(context)
             self.stats.outputs_on_main += len(keep or ())
             if sizes is not None:
                 self.stats.outputs_sized += outputs.made
         else:
+            if before is not None:
+                before()
             super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
@@ -516,6 +616,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
             self._release_inputs(context.index, *self._releasable.pop(context.index, ([], None)))
+        if permuted is not None:
+            self._sends_done(context.index)
+            self.stats.permuted_copies = permuted.batches
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
@@ -527,6 +630,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._copy_ring.drop_done()
         self._copied.pop(self.contexts[0].index, None)
         self._received.pop(self.contexts[0].index, None)
+        self._sends_released.discard(self.contexts[0].index)
+        if self._permuted is not None:
+            self._permuted.forget(self.contexts[0].index)
         super().dequeue_batch()
 
     @property
@@ -565,7 +671,8 @@ def _nbytes(tensors_or_kjts: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:
 def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
     """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
     otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
-    for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring", "stable_sizes"):
+    for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring", "stable_sizes",
+                 "permuted_copy"):
         value = getattr(pipeline, name)
         if value is not None and type(value) is not bool:
             raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")
@@ -587,12 +694,16 @@ def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
 
 
 def _with_kjt_type(
-    input_dist: Callable[..., Awaitable], kjt_type: type[KeyedJaggedTensor]
+    input_dist: Callable[..., Awaitable], kjt_type: type[KeyedJaggedTensor],
+    before: Callable[[], None] | None = None,
 ) -> Callable[..., Awaitable]:
-    """``input_dist`` with its plain-KJT arguments of class ``kjt_type`` during the call."""
+    """``input_dist`` with its plain-KJT arguments of class ``kjt_type`` during the call;
+    ``before()`` first."""
 
     def redirected(ctx: Any, *args: Any, **kwargs: Any) -> Awaitable:
         kjts = [a for a in (*args, *kwargs.values()) if type(a) is KeyedJaggedTensor]
+        if before is not None:
+            before()
         with as_type(kjts, kjt_type):
             return input_dist(ctx, *args, **kwargs)
 
@@ -617,15 +728,22 @@ class _DistInitRedirected(Awaitable[Any]):
             return self._inner.wait()
 
 
+# sharding types whose input dist sends P1's output as it is (no bucketize)
+_UNBUCKETIZED = frozenset({"table_wise", "column_wise", "table_column_wise"})
+
+
+def _sharding_types(model: torch.nn.Module) -> set[str]:
+    """The sharding types of the (DistributedModelParallel) plan; empty without one."""
+    plan = getattr(model, "plan", None)
+    if plan is None:
+        return set()
+    return {p.sharding_type for module_plan in plan.plan.values() for p in module_plan.values()}
+
+
 def _bucketized(model: torch.nn.Module) -> bool:
     """Whether a table of the (DistributedModelParallel) plan is row-wise in some form, so that
     its input dist reads the permuted values on data_dist (bucketize) in ``input_dist``."""
-    plan = getattr(model, "plan", None)
-    return plan is not None and any(
-        "row_wise" in p.sharding_type or p.sharding_type == "grid_shard"
-        for module_plan in plan.plan.values()
-        for p in module_plan.values()
-    )
+    return any(t == "grid_shard" or "row_wise" in t for t in _sharding_types(model))
 
 
 def _world_size(model: torch.nn.Module) -> int:

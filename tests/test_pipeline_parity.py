@@ -57,6 +57,11 @@ class OutputsOnMainPipeline(TrainPipelineSparseDist):
     all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
 
 
+class PermutedCopyPipeline(TrainPipelineSparseDist):
+    permuted_copy = True  # on CPU and with row-wise tables too
+    min_batch_bytes = 0  # for every batch, however small
+
+
 class ActOnSmallBatchesPipeline(TrainPipelineSparseDist):
     min_batch_bytes = 0  # every other switch at its default
 
@@ -170,6 +175,9 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
         ("stable_sizes", "on", "stable_sizes must be True, False or None (auto), got 'on'"),
         ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 (slots; default 1), got 0"),
+        ("permuted_copy", "yes", "permuted_copy must be True, False or None (auto), got 'yes'"),
+        ("permuted_copy", True, "permuted_copy = True does not work with world size 1 (no "
+                                "all-to-all reads the values); leave it None"),
         ("copy_ring", False, "no error"),
     ],
 )
@@ -214,6 +222,22 @@ def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
 
 def test_split_feature_permute_refuses_several_ranks() -> None:
     assert all("needs world size 1" in r for r in run_ranks(2, _split_on_two_ranks))
+
+
+def _permuted_copy_on(rank: int, world: int, device: torch.device, sharding: str) -> str:
+    model, optimizer = build_sharded(ModelSpec(), [sharding], device, torch.distributed.group.WORLD)
+    try:
+        return str(PermutedCopyPipeline(model, optimizer, device)._permuted is not None)
+    except ValueError as e:
+        return str(e)
+
+
+def test_permuted_copy_refuses_data_parallel_tables() -> None:
+    """Data-parallel tables take P1's output to main, past the slot's next write."""
+    assert run_ranks(2, _permuted_copy_on, "table_wise") == ["True", "True"]
+    expected = ("permuted_copy = True does not work with a plan with data-parallel tables (main "
+                "reads their values); leave it None")
+    assert run_ranks(2, _permuted_copy_on, "data_parallel") == [expected] * 2
 
 
 def _plan_is_bucketized(rank: int, world: int, device: torch.device) -> list[bool]:
@@ -266,6 +290,19 @@ def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
         assert r["redirected"].get("outputs_on_main", 0) >= 13 * (STEPS - 1), r["redirected"]
         # exact sizes without stable_sizes (off on CPU): none counted as sized
         assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
+
+
+@pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"] if GPU2 else ["mixed_tw_cw"])
+def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
+    """``permuted_copy = True``: from the second batch on, one KJT per batch (an
+    EmbeddingBagCollection's) is copied in P1's order into the slot, written once the previous
+    batch's all-to-all has sent it; P1 permutes its lengths alone. A copy written too early
+    would change what the all-to-all sends, and the losses."""
+    results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, PermutedCopyPipeline)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        # every batch but the first (learned from) and the one without ids
+        assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
 
 
 def test_stable_sizes_bit_identical_on_two_ranks() -> None:
