@@ -111,16 +111,23 @@ class PermutedCopy:
         self._permuted: dict[int, int] = {}  # batch -> data pointer of its P1-ordered values
         #: whether the module whose input dist runs now may be planned (an EmbeddingBagCollection)
         self.plannable = False
+        #: whether the next batch's P1 is observed for a plan (the first batch's only)
+        self.planning = True
         #: batches copied in P1's order
         self.batches = 0
 
     def destination(self, index: int) -> Destination:
-        """Batch ``index``'s destinations (:func:`recpipe.kjt.copy_batch`): the planned values
-        and weights into the slot, unwritten (:class:`~recpipe.kjt.Later`), the rest fresh;
-        all fresh before a plan, or while the previous copy still waits."""
+        """Batch ``index``'s destinations (:func:`recpipe.kjt.copy_batch`, on the copy stream):
+        the planned values and weights into the slot, unwritten (:class:`~recpipe.kjt.Later`),
+        the rest fresh; all fresh while the previous copy still waits. Before a plan, on CUDA,
+        every tensor is sized as the slot would be, so that the slot can take over the memory
+        of the one it plans (:meth:`learned`): else that batch-sized block would stay cached
+        in the copy stream's pool beside the slot."""
         plan = self._plan
-        if plan is None or self._pending is not None:
+        if self._pending is not None or plan is None and (not self.planning or self._stream is None):
             return _fresh
+        if plan is None:
+            return self._sized
         copy = self._copies[index] = _Copy(index, {}, {})
         planned = {plan.lengths, plan.values, plan.weights}
 
@@ -134,9 +141,10 @@ class PermutedCopy:
             buffer = self._slot.get(k)
             if buffer is None or buffer.numel() < size:  # the owner keeps its old memory
                 device = src.device if self._stream is None else self._stream.device
-                with _on(self._stream):  # the slot belongs to the writing stream's pool
-                    buffer = torch.empty(self._sizes.numel(k, size), dtype=torch.uint8, device=device)
+                buffer = torch.empty(self._sizes.numel(k, size), dtype=torch.uint8, device=device)
                 self._slot[k] = buffer
+                if self._stream is not None:  # (allocated on the copy stream)
+                    self._stream.wait_stream(torch.cuda.current_stream(device))
             copy.targets[k] = on_storage(buffer, src)
             return Later(copy.targets[k])
 
@@ -174,13 +182,21 @@ class PermutedCopy:
         if event is not None and stream is not None:
             stream.wait_event(event)
 
+    def _sized(self, k: int, src: torch.Tensor) -> torch.Tensor | None:
+        """Before a plan: fresh memory on the current stream, sized as the slot's."""
+        if src.numel() == 0:
+            return None
+        size = src.numel() * src.element_size()
+        return on_storage(self._sizes.empty(k, (size,), torch.uint8, self._stream.device), src)
+
     def runner(self, index: int, inner: Runner, copies: list[torch.Tensor]) -> Runner:
         """Batch ``index``'s P1 runner: for its P1-ordered values, the lengths are permuted
         and the values are the slot's; every other permute is ``inner``'s. Before a plan, it
         notes the candidates (``copies``: the batch's copied tensors, in copy order)."""
         values_at = self._permuted.get(index)
         plan = self._plan
-        if plan is None:
+        learning = self.planning
+        if learning:
             self._learning = copies
 
         def run(
@@ -195,19 +211,35 @@ class PermutedCopy:
                         "keys or the model change?); set permuted_copy = False"
                     )
                 return torch.index_select(lengths, 0, permute), values, weights
-            if plan is None:
+            if learning:
                 self._note(permute, lengths, values, weights, total)
             return inner(permute, lengths, values, weights, total)
 
         return run
 
-    def learned(self) -> None:
-        """End of a batch's P1 calls: plan the largest KJT that one plannable P1 permuted
-        whole, if any (once)."""
-        candidates, self._candidates, self._learning = self._candidates, {}, None
+    def learned(self, index: int, reader: torch.cuda.Stream | None) -> None:
+        """End of batch ``index``'s P1 calls (queued on ``reader``): plan the largest KJT that
+        one plannable P1 permuted whole, if any (once). The slot takes over the memory of its
+        values and weights (the next write waits for the P1 on ``reader``)."""
+        if not self.planning:
+            return
+        candidates, self._candidates = self._candidates, {}
+        copies, self._learning = self._learning or [], None
+        self.planning = False
         plans = [c for c in candidates.values() if c is not None]
-        if self._plan is None and plans:
-            self._plan = max(plans, key=lambda c: c[0])[1]
+        if not plans:
+            return
+        plan = self._plan = max(plans, key=lambda c: c[0])[1]
+        if self._stream is None:
+            return
+        for k in (plan.values, plan.weights):
+            t = None if k is None else copies[k]
+            if t is not None and t.is_contiguous() and t.storage_offset() == 0:
+                self._slot[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    t.untyped_storage()
+                )
+        self._sent = reader.record_event() if reader is not None else None
+        self._written[index] = None  # (its slot positions are not to be freed)
 
     def forget(self, index: int) -> None:
         """Batch ``index``'s step is queued: drop what was kept for it."""
@@ -271,6 +303,7 @@ class PermutedCopy:
 def _fresh(k: int, src: torch.Tensor) -> None:
     """A destination that copies into fresh memory (and has the copy noted, on CPU too)."""
     return None
+
 
 
 def _on(stream: torch.cuda.Stream | None):

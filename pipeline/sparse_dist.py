@@ -69,6 +69,9 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.kjt import (
+    Allocator,
+    PermuteBuffers,
+    PermuteSpec,
     RedirectStats,
     Runner,
     allocate,
@@ -298,7 +301,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._redirect_dist_init = world > 1
         self._outputs_on_main = world > 1 and self.all_to_all_outputs_on_main
         self._main = main
-        self._received: dict[int, list[torch.Tensor]] = {}  # batch index -> all-to-all outputs
+        # batch index -> main-pool memory kept until its dequeue: the all-to-all outputs on main,
+        # the P1 buffers of the batch the permuted copy learns from
+        self._received: dict[int, list[object]] = {}
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
         stable = cuda if self.stable_sizes is None else self.stable_sizes
         # world size > 1: the all-to-all outputs' and P1's sizes (P1's runner: at world size 1
@@ -372,9 +377,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self._sends_done(owner)
             if self._bucketized:  # the bucketize reads the values before the splits' read
                 permuted.wait(context.index, self._data_dist_stream)
+            inner = self._input_dist_runner or write_into(allocate)
+            if permuted.planning:  # this batch alone has a batch-sized P1 output: see _kept
+                inner = write_into(_kept(self._main, self._received.setdefault(context.index, [])))
             self._input_dist_runner = permuted.runner(
-                context.index, self._input_dist_runner or write_into(allocate),
-                self._copied.get(context.index, []),
+                context.index, inner, self._copied.get(context.index, [])
             )
         with self._input_dists_redirected():
             super().start_sparse_data_dist(batch, context)
@@ -383,7 +390,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.redirecting is None or self._sizes_undecided:
             self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
         if self._permuted is not None:
-            self._permuted.learned()
+            self._permuted.learned(context.index, self._data_dist_stream)
         if not free:
             return
         if not self.uses_split_permute:
@@ -659,6 +666,22 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def ring_replaced(self) -> int:
         """P1 buffers given new memory because a result of an earlier batch still used them."""
         return self._ring.replaced
+
+
+def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocator:
+    """P1 buffers from main's pool, appended to ``keep`` (the pipeline drops it at the batch's
+    ``dequeue_batch``: main has waited on data_dist, after the all-to-all, by then). For the
+    batch whose P1 the permuted copy learns from: in data_dist's pool its batch-sized output
+    would stay cached for good, since later batches' P1 outputs are lengths only; main's
+    activations reuse it."""
+    alloc = main_stream_allocator(main)
+
+    def kept(spec: PermuteSpec) -> PermuteBuffers:
+        buffers = alloc(spec)
+        keep.append(buffers)
+        return buffers
+
+    return kept
 
 
 def _nbytes(tensors_or_kjts: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:
