@@ -301,9 +301,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._redirect_dist_init = world > 1
         self._outputs_on_main = world > 1 and self.all_to_all_outputs_on_main
         self._main = main
-        # batch index -> main-pool memory kept until its dequeue: the all-to-all outputs on main,
-        # the P1 buffers of the batch the permuted copy learns from
-        self._received: dict[int, list[object]] = {}
+        self._received: dict[int, list[torch.Tensor]] = {}  # batch index -> all-to-all outputs
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
         stable = cuda if self.stable_sizes is None else self.stable_sizes
         # world size > 1: the all-to-all outputs' and P1's sizes (P1's runner: at world size 1
@@ -329,6 +327,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._copy_ring_on = False
         self._use_copy_ring = self._copy_ring_on
         self._sends_released: set[int] = set()  # batches whose all-to-all inputs went
+        # the P1 buffers (main's pool) of the batch the permuted copy learns from, until sent
+        self._learned_from: dict[int, list[PermuteBuffers]] = {}
         # With the split permute and one slot, the release is queued on the side stream after
         # the values write, at the end of the input dists; else after data_dist's wait for it
         self._copy_ring_on_side = split and self.copy_ring_depth == 1
@@ -379,7 +379,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 permuted.wait(context.index, self._data_dist_stream)
             inner = self._input_dist_runner or write_into(allocate)
             if permuted.planning:  # this batch alone has a batch-sized P1 output: see _kept
-                inner = write_into(_kept(self._main, self._received.setdefault(context.index, [])))
+                inner = write_into(_kept(self._main, self._learned_from.setdefault(context.index, [])))
             self._input_dist_runner = permuted.runner(
                 context.index, inner, self._copied.get(context.index, [])
             )
@@ -542,8 +542,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if context is not None:
             self._release_sent_inputs(context)
         stream = self._data_dist_stream if context is not None else self._main
+        sent = None if stream is None else stream.record_event()
         assert self._permuted is not None
-        self._permuted.sent(index, None if stream is None else stream.record_event())
+        self._permuted.sent(index, sent)
+        if self._learned_from.pop(index, None) is not None and sent is not None:
+            self._main.wait_event(sent)  # (main's pool: its next allocations come after the
+            # all-to-all; the batch's forward waits for it anyway)
 
     def _permuted_copy(self, world: int, cuda: bool) -> PermutedCopy | None:
         """The resolved ``permuted_copy`` switch."""
@@ -669,11 +673,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
 
 def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocator:
-    """P1 buffers from main's pool, appended to ``keep`` (the pipeline drops it at the batch's
-    ``dequeue_batch``: main has waited on data_dist, after the all-to-all, by then). For the
-    batch whose P1 the permuted copy learns from: in data_dist's pool its batch-sized output
-    would stay cached for good, since later batches' P1 outputs are lengths only; main's
-    activations reuse it."""
+    """P1 buffers from main's pool, appended to ``keep``, which the pipeline drops once main
+    waits for the all-to-all that sends them (``_sends_done``). For the batch whose P1 the
+    permuted copy learns from: in data_dist's pool its batch-sized output would stay cached for
+    good, since later batches' P1 outputs are lengths only; main's activations reuse it."""
     alloc = main_stream_allocator(main)
 
     def kept(spec: PermuteSpec) -> PermuteBuffers:
