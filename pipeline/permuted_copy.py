@@ -60,16 +60,17 @@ class _Copy(NamedTuple):
 
 
 def write_permuted(
-    lengths: torch.Tensor, sources: Sequence[torch.Tensor | None],
+    lengths: torch.Tensor | None, sources: Sequence[torch.Tensor | None],
     targets: Sequence[torch.Tensor | None], order: Sequence[int],
 ) -> bool:
     """Copy each of ``sources`` (values, weights: one block per feature, the features being the
     rows of ``lengths`` [F * B] on the host) into the matching target, the blocks in ``order``
     (block ``j`` of a target is block ``order[j]`` of its source), on the current stream.
-    If ``lengths`` does not describe the sources (F rows, summing to their length), the
-    sources are copied as they are; returns whether they were permuted."""
+    If ``lengths`` does not describe the sources (F rows, summing to their length) or is None,
+    the sources are copied as they are; returns whether they were permuted."""
     rows = len(order)
-    sizes = lengths.view(rows, -1).sum(1).tolist() if lengths.numel() % rows == 0 else None
+    fits = lengths is not None and lengths.numel() % rows == 0
+    sizes = lengths.view(rows, -1).sum(1).tolist() if fits else None
     permuted = sizes is not None and all(
         s is None or sum(sizes) == s.numel() for s in sources
     )
@@ -288,7 +289,7 @@ class PermutedCopy:
             if stream is not None and self._sent is not None:
                 stream.wait_event(self._sent)
             permuted = write_permuted(
-                copy.sources[plan.lengths],
+                copy.sources.get(plan.lengths),
                 [copy.sources.get(values), copy.sources.get(weights)],
                 [copy.targets.get(values), copy.targets.get(weights)],
                 plan.order,

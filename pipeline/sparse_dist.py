@@ -642,6 +642,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._copied.pop(self.contexts[0].index, None)
         self._received.pop(self.contexts[0].index, None)
         self._sends_released.discard(self.contexts[0].index)
+        self._learned_from.pop(self.contexts[0].index, None)  # (if the permuted copy went off)
         if self._permuted is not None:
             self._permuted.forget(self.contexts[0].index)
         super().dequeue_batch()

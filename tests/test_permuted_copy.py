@@ -25,3 +25,6 @@ def test_write_permuted_copies_as_is_where_the_lengths_do_not_describe_the_value
     target = torch.empty_like(values)
     assert not write_permuted(torch.tensor([1, 1]), [values, None], [target, None], (1, 0))
     assert torch.equal(target, values)
+    target.zero_()
+    assert not write_permuted(None, [values, None], [target, None], (1, 0))  # (no lengths seen)
+    assert torch.equal(target, values)
