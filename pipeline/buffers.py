@@ -132,7 +132,8 @@ class AllToAllOutputs(TorchFunctionMode):
     main wait on data_dist after it), and calls nothing in the block after the first allocation
     that syncs the host with the current stream (the event makes the current stream wait for
     all of main's queued work). ``before()`` runs once, before the first output is made: after
-    the host's read of the splits, before any all-to-all is queued."""
+    the host's read of the first fused splits all-to-all, before any tensor all-to-all is
+    queued (or on exit, if none was)."""
 
     def __init__(
         self, sizes: HighWater | None, device: torch.device,

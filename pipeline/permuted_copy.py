@@ -18,14 +18,18 @@ Contract (the pipeline calls, per batch, in torchrec's order):
 - :meth:`~PermutedCopy.destination` for the batch's copy, then :meth:`~PermutedCopy.copied`.
 - :meth:`~PermutedCopy.runner` for its P1 calls (``plannable``: the module is an
   EmbeddingBagCollection), then :meth:`~PermutedCopy.learned`.
-- :meth:`~PermutedCopy.wait` on the stream that reads its values (data_dist: before the
-  all-to-all, or before a row-wise group's bucketize), after the host's splits read.
+- :meth:`~PermutedCopy.wait` on the stream that reads its values (data_dist): before the
+  all-to-all, after the host's splits read; before P1 where the write was not in P1's order
+  (:meth:`~PermutedCopy.in_order`) or a row-wise group bucketizes the values there.
 - :meth:`~PermutedCopy.sent` once every all-to-all that read its values is done (an event on
   data_dist), :meth:`~PermutedCopy.forget` at the end of its step.
 
 Only the input dists may read the copied values (the contract of ``free_inputs_early``), and
 each only through P1 and the all-to-all: no data-parallel table, no EmbeddingCollection (whose
-context keeps P1's output for the main stream). The pipeline checks the plan for that.
+context keeps P1's output for the main stream), no pipelined postproc. The pipeline checks the
+plan for that. The batch's structure (its tensors in copy order) is the same from batch to
+batch, as torchrec's pipelined forward assumes; a planned tensor of another dtype or rank is
+copied as torchrec does.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class _Plan(NamedTuple):
     weights: int | None
     permute: torch.Tensor  # what torchrec passes each batch (the module's own tensor)
     order: tuple[int, ...]  # its values, on the host
+    dtypes: dict[int, torch.dtype]  # of the values and weights, by position
 
 
 class _Copy(NamedTuple):
@@ -110,6 +115,7 @@ class PermutedCopy:
         self._copies: dict[int, _Copy] = {}  # batch -> its copy (until destination's end)
         self._written: dict[int, torch.cuda.Event | None] = {}  # batch -> after its write
         self._permuted: dict[int, int] = {}  # batch -> data pointer of its P1-ordered values
+        self._consumed: set[int] = set()  # batches whose P1-ordered values a P1 took
         #: whether the module whose input dist runs now may be planned (an EmbeddingBagCollection)
         self.plannable = False
         #: whether the next batch's P1 is observed for a plan (the first batch's only)
@@ -136,7 +142,7 @@ class PermutedCopy:
             if k not in planned:
                 return None
             copy.sources[k] = src
-            if k == plan.lengths:
+            if k == plan.lengths or src.dtype != plan.dtypes[k] or src.dim() != 1:
                 return None
             size = src.numel() * src.element_size()
             buffer = self._slot.get(k)
@@ -177,6 +183,18 @@ class PermutedCopy:
         if pending is not None:
             self._write(pending)
 
+    def in_order(self, index: int) -> bool:
+        """Whether batch ``index``'s slot was written in P1's order (or it has no slot write):
+        else P1 reads the slot as the values, and must wait for the write (:meth:`wait`)."""
+        return index in self._permuted or index not in self._written
+
+    def check(self, index: int) -> None:
+        """After batch ``index``'s input dists: its values in P1's order must have reached a P1
+        (:meth:`runner`), else torchrec permuted them otherwise (e.g. a KJT of variable stride
+        per key): a one-line error rather than wrong values."""
+        if index in self._permuted and index not in self._consumed:
+            raise RuntimeError(_PERMUTED_OTHERWISE)
+
     def wait(self, index: int, stream: torch.cuda.Stream | None) -> None:
         """``stream`` (the values' reader) waits for batch ``index``'s write."""
         event = self._written.get(index)
@@ -207,10 +225,8 @@ class PermutedCopy:
             if values_at is not None and values.data_ptr() == values_at:
                 assert plan is not None
                 if permute is not plan.permute or lengths.shape[0] != len(plan.order):
-                    raise RuntimeError(
-                        "recpipe: a KJT copied in its P1 order was permuted otherwise (did its "
-                        "keys or the model change?); set permuted_copy = False"
-                    )
+                    raise RuntimeError(_PERMUTED_OTHERWISE)
+                self._consumed.add(index)
                 return torch.index_select(lengths, 0, permute), values, weights
             if learning:
                 self._note(permute, lengths, values, weights, total)
@@ -246,6 +262,17 @@ class PermutedCopy:
         """Batch ``index``'s step is queued: drop what was kept for it."""
         self._written.pop(index, None)
         self._permuted.pop(index, None)
+        self._consumed.discard(index)
+
+    def reset(self) -> None:
+        """The pipeline dropped its batches (torchrec's ``reset``): their copies, and the slot's
+        owner, whose all-to-all was issued and waited (:meth:`sent`) or never will be; the
+        next write still waits for the last sends' event."""
+        self._pending, self._owner = None, None
+        self._copies.clear()
+        self._written.clear()
+        self._permuted.clear()
+        self._consumed.clear()
 
     def positions(self, index: int) -> set[int]:
         """The copy positions of batch ``index`` that are the slot's (never to be freed)."""
@@ -264,9 +291,14 @@ class PermutedCopy:
         if key in self._candidates:
             self._candidates[key] = None
             return
-        at = {t.data_ptr(): k for k, t in enumerate(self._learning or ()) if t.numel()}
-        whole = total == values.numel() and permute.numel() == lengths.shape[0]
-        found = [at.get(t.data_ptr()) if t is not None else None for t in (lengths, values, weights)]
+        copies = self._learning or ()
+        # the copies themselves, whole (not views into a packed one)
+        at = {(t.data_ptr(), t.numel()): k for k, t in enumerate(copies) if t.numel()}
+        whole = total == values.numel() and permute.numel() == lengths.shape[0] and values.dim() == 1
+        found = [
+            None if t is None else at.get((t.data_ptr(), t.numel()))
+            for t in (lengths, values, weights)
+        ]
         if not self.plannable or not whole or found[0] is None or found[1] is None or (
             weights is not None and found[2] is None
         ):
@@ -277,7 +309,10 @@ class PermutedCopy:
             self._candidates[key] = None
             return
         nbytes = values.nbytes + (0 if weights is None else weights.nbytes)
-        self._candidates[key] = (nbytes, _Plan(found[0], found[1], found[2], permute, order))
+        dtypes = {found[1]: values.dtype}
+        if weights is not None:
+            dtypes[found[2]] = weights.dtype
+        self._candidates[key] = (nbytes, _Plan(found[0], found[1], found[2], permute, order, dtypes))
 
     def _write(self, copy: _Copy) -> None:
         """Write ``copy`` into the slot (after the last owner's sends); it becomes the owner."""
@@ -285,11 +320,13 @@ class PermutedCopy:
         assert plan is not None
         stream = self._stream
         values, weights = plan.values, plan.weights
+        # every planned tensor in the slot, or none is written in P1's order
+        whole = all(k in copy.targets for k in (values, weights) if k is not None)
         with _on(stream):
             if stream is not None and self._sent is not None:
                 stream.wait_event(self._sent)
             permuted = write_permuted(
-                copy.sources.get(plan.lengths),
+                copy.sources.get(plan.lengths) if whole else None,
                 [copy.sources.get(values), copy.sources.get(weights)],
                 [copy.targets.get(values), copy.targets.get(weights)],
                 plan.order,
@@ -299,6 +336,12 @@ class PermutedCopy:
         if permuted and copy.targets[values].numel():  # (empty: nothing to tell apart)
             self._permuted[copy.index] = copy.targets[values].data_ptr()
             self.batches += 1
+
+
+_PERMUTED_OTHERWISE = (
+    "recpipe: a KJT copied in its P1 order was permuted otherwise (did its keys, its stride "
+    "per key or the model change?); set permuted_copy = False"
+)
 
 
 def _fresh(k: int, src: torch.Tensor) -> None:

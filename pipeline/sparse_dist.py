@@ -20,8 +20,9 @@ where the two permutes of the sparse input distribution write (docs/design.md):
   (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
 - What the all-to-alls sent (world size > 1: the feature-permuted KJT; a row-wise group's
   bucketized KJT, a second batch-sized tensor): torchrec holds it until the forward a step
-  later; recpipe drops it when the next batch's input dist starts, after data_dist waited for
-  the all-to-all (:meth:`TrainPipelineSparseDist._release_sent_inputs`).
+  later; recpipe drops it when the next batch's input dist starts (with the permuted copy: at
+  the end of its own ``wait_sparse_data_dist``), after data_dist waited for the all-to-all
+  (:meth:`TrainPipelineSparseDist._release_sent_inputs`).
 - The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
   dists are queued, as torchrec >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
   and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
@@ -209,16 +210,20 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: batch-sized tensor on data_dist. The copy into the slot waits for the previous batch's
     #: all-to-all (the host queues it after ``wait_sparse_data_dist``, on a side stream), and
     #: data_dist waits for it after the splits' host read. Needs a plan of table-wise,
-    #: column-wise and row-wise tables only (data-parallel tables take P1's output to main).
-    #: None (default): on CUDA where the inputs are freed early, without row-wise tables (a
-    #: row-wise group bucketizes the values before the splits' host read, which would then
-    #: wait for the copy); True also with them, and on CPU (the tests).
+    #: column-wise and row-wise tables only (data-parallel tables take P1's output to main), no
+    #: ``pipeline_postproc``, and the pipeline's own copy (not ``inplace_copy_batch`` nor
+    #: torchrec's copy and free options). The copy ring is off with it. None (default): on
+    #: CUDA where the inputs are freed early, without row-wise tables (a row-wise group
+    #: bucketizes the values before the splits' host read, which would then wait for the
+    #: copy), and off with ``stable_sizes`` below ``min_batch_bytes``; True also with row-wise
+    #: tables, and on CPU (the tests). The host's splits read does not wait for the copy with
+    #: one fused splits all-to-all per step (one process group) and pinned host batches.
     permuted_copy: bool | None = None
     #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
     #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
     #: ring and the early frees save at most about a batch's KJTs, and cost host time every
-    #: step), and at world size > 1 ``stable_sizes`` turns off. Where the pipeline copied the
+    #: step), and at world size > 1 ``stable_sizes`` (and with it ``permuted_copy``) turns off. Where the pipeline copied the
     #: first batch (CUDA) and the whole copy is below the bound, that batch takes torchrec's
     #: path too: no first use of recpipe's kernels (a Triton compile in a fresh process, and
     #: MovieLens on 1 H100 ran its first 25 steps at half torchrec's speed). Measured on 1 H100
@@ -375,7 +380,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             owner = permuted.blocking(context.index)
             if owner is not None:  # (not in torchrec's order: its wait comes first)
                 self._sends_done(owner)
-            if self._bucketized:  # the bucketize reads the values before the splits' read
+            # P1 reads the slot as the values (a write not in P1's order), or a row-wise
+            # group bucketizes them, before the splits' host read
+            if self._bucketized or not permuted.in_order(context.index):
                 permuted.wait(context.index, self._data_dist_stream)
             inner = self._input_dist_runner or write_into(allocate)
             if permuted.planning:  # this batch alone has a batch-sized P1 output: see _kept
@@ -390,6 +397,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.redirecting is None or self._sizes_undecided:
             self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
         if self._permuted is not None:
+            self._permuted.check(context.index)
             self._permuted.learned(context.index, self._data_dist_stream)
         if not free:
             return
@@ -540,28 +548,38 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         read by main's queued work."""
         context = next((c for c in self.contexts if c.index == index), None)
         if context is not None:
+            if not context.input_dist_tensors_requests:
+                raise RuntimeError(
+                    "recpipe: a batch's copy into the permuted copy's slot was needed before "
+                    "the batch in the slot was sent (not torchrec's order of input dists); set "
+                    "permuted_copy = False"
+                )
             self._release_sent_inputs(context)
         stream = self._data_dist_stream if context is not None else self._main
         sent = None if stream is None else stream.record_event()
         assert self._permuted is not None
         self._permuted.sent(index, sent)
-        if self._learned_from.pop(index, None) is not None and sent is not None:
-            self._main.wait_event(sent)  # (main's pool: its next allocations come after the
-            # all-to-all; the batch's forward waits for it anyway)
+        if index in self._learned_from:
+            if sent is not None:  # main's pool: its next allocations come after the
+                self._main.wait_event(sent)  # all-to-all (the batch's forward waits anyway)
+            del self._learned_from[index]
 
     def _permuted_copy(self, world: int, cuda: bool) -> PermutedCopy | None:
         """The resolved ``permuted_copy`` switch."""
         on = self.permuted_copy
         types = _sharding_types(self._model)
         torchrecs = copies_or_frees_inputs_itself(self) or clears_data_dist_inputs(self)
+        postproc = bool(getattr(self, "_pipeline_postproc", False))
         if on is None:
             on = (world > 1 and self._free_inputs and not torchrecs and not self.inplace_copy_batch
-                  and bool(types) and types <= _UNBUCKETIZED)
+                  and not postproc and bool(types) and types <= _UNBUCKETIZED)
         elif on:
             problem = (
                 "world size 1 (no all-to-all reads the values)" if world == 1
+                else "a model without a sharding plan (DistributedModelParallel's)" if not types
                 else "a plan with data-parallel tables (main reads their values)"
-                if not types or "data_parallel" in types
+                if "data_parallel" in types
+                else "pipeline_postproc (a postproc may read the values)" if postproc
                 else "inplace_copy_batch or torchrec's own copy and input frees"
                 if torchrecs or self.inplace_copy_batch else None
             )
@@ -606,7 +624,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         before = None  # data_dist waits for the permuted copy: after the splits' host read
         if permuted is not None and not self._bucketized:
             before = partial(permuted.wait, context.index, self._data_dist_stream)
-        if self._received_sizes is not None or self._outputs_on_main:
+        if self._received_sizes is not None or self._outputs_on_main or before is not None:
             # on main: kept until the batch's forward has made main wait
             keep = self._received.setdefault(context.index, []) if self._outputs_on_main else None
             sizes = self._received_sizes
@@ -616,8 +634,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if sizes is not None:
                 self.stats.outputs_sized += outputs.made
         else:
-            if before is not None:
-                before()
             super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
@@ -630,6 +646,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if permuted is not None:
             self._sends_done(context.index)
             self.stats.permuted_copies = permuted.batches
+
+    def reset(self) -> None:
+        """torchrec's ``reset`` (its batches dropped, batch indices from 0 again), and recpipe's
+        state kept per batch index."""
+        super().reset()
+        for kept in (self._copied, self._received, self._releasable, self._learned_from):
+            kept.clear()
+        self._sends_released.clear()
+        if self._permuted is not None:
+            self._permuted.reset()
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
