@@ -75,7 +75,7 @@ def write_permuted(
     the sources are copied as they are; returns whether they were permuted."""
     rows = len(order)
     fits = lengths is not None and lengths.numel() % rows == 0
-    sizes = lengths.view(rows, -1).sum(1).tolist() if fits else None
+    sizes = lengths.reshape(rows, -1).sum(1).tolist() if fits else None
     permuted = sizes is not None and all(
         s is None or sum(sizes) == s.numel() for s in sources
     )
@@ -112,7 +112,7 @@ class PermutedCopy:
         self._owner: int | None = None  # whose data the slot holds, still to be sent
         self._sent: torch.cuda.Event | None = None  # after the last owner's sends
         self._pending: _Copy | None = None  # the next copy, waiting for the owner's sends
-        self._copies: dict[int, _Copy] = {}  # batch -> its copy (until destination's end)
+        self._copies: dict[int, _Copy] = {}  # batch -> its copy, from destination() to copied()
         self._written: dict[int, torch.cuda.Event | None] = {}  # batch -> after its write
         self._permuted: dict[int, int] = {}  # batch -> data pointer of its P1-ordered values
         self._consumed: set[int] = set()  # batches whose P1-ordered values a P1 took
