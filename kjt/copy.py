@@ -25,7 +25,6 @@ from torch.overrides import TorchFunctionMode
 T = TypeVar("T")
 
 
-
 class Later(NamedTuple):
     """A destination that the caller of :func:`copy_batch` writes itself, later: the batch
     gets ``tensor`` unwritten."""

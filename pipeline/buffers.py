@@ -93,6 +93,12 @@ class HighWater:
         n = math.prod(shape)
         return torch.empty(self.numel(key, n), dtype=dtype, device=device)[:n].view(shape)
 
+    def like(self, key: Hashable, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A tensor of ``src``'s dtype and shape on ``device``, at the start of a byte buffer
+        sized at ``key`` (:func:`on_storage`: a ring may take the buffer over later)."""
+        size = src.numel() * src.element_size()
+        return on_storage(self.empty(key, (size,), torch.uint8, device), src)
+
 
 def padded_allocator(sizes: HighWater) -> Allocator:
     """Exact lengths, values (and weights) sized by ``sizes``, keyed by the call's order (one
@@ -155,9 +161,7 @@ class AllToAllOutputs(TorchFunctionMode):
                 or torch.device(device).type != self._device.type):
             return func(*args, **kwargs)
         shape, dtype = tuple(args[0]), kwargs.get("dtype") or torch.get_default_dtype()
-        if self._before is not None:
-            before, self._before = self._before, None
-            before()
+        self._run_before()
         key = (self.made, dtype, shape[1:])
         self.made += 1
         if self._sizes is None:
@@ -172,10 +176,13 @@ class AllToAllOutputs(TorchFunctionMode):
 
     def __exit__(self, exc_type, exc_value, traceback):  # noqa: ANN001
         out = super().__exit__(exc_type, exc_value, traceback)
-        if self._before is not None:  # no output made: nothing was sent
+        self._run_before()  # (no output made: nothing was sent)
+        return out
+
+    def _run_before(self) -> None:
+        if self._before is not None:
             before, self._before = self._before, None
             before()
-        return out
 
 
 class SideWrite(NamedTuple):
@@ -384,7 +391,7 @@ class CopyRing:
             size = src.numel() * src.element_size()
             if positions is None:  # before the first release: fresh memory, sized as the
                 # ring's (it may take it over)
-                return on_storage(self._sizes.empty(k, (size,), torch.uint8, stream.device), src)
+                return self._sizes.like(k, src, stream.device)
             if k not in positions:
                 return None
             if not isinstance(wait, bool):  # the release event
@@ -428,11 +435,9 @@ class CopyRing:
         kept = set(slot.served)
         with stream:  # after the reads, in the sanitizer's view too
             for k in positions - kept:
-                t = made[k]
-                if k not in slot.buffers and t.is_contiguous() and t.storage_offset() == 0:
-                    slot.buffers[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                        t.untyped_storage()
-                    )
+                storage = None if k in slot.buffers else whole_storage(made[k])
+                if storage is not None:
+                    slot.buffers[k] = storage
                     kept.add(k)
             for k in kept:
                 made[k].set_()
@@ -467,6 +472,14 @@ def on_storage(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), 0, like.shape
     )
+
+
+def whole_storage(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s whole storage as a byte tensor (for a ring to take its memory over), or None
+    where ``t`` is not contiguous from the storage's start."""
+    if not t.is_contiguous() or t.storage_offset() != 0:
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def _done(released: torch.cuda.Event | bool) -> bool:

@@ -42,7 +42,7 @@ import torch
 
 from recpipe.kjt import Destination, Later, Runner
 from recpipe.ops import PermuteResult
-from recpipe.pipeline.buffers import HighWater, on_storage
+from recpipe.pipeline.buffers import HighWater, on_storage, whole_storage
 
 
 class _Plan(NamedTuple):
@@ -203,10 +203,7 @@ class PermutedCopy:
 
     def _sized(self, k: int, src: torch.Tensor) -> torch.Tensor | None:
         """Before a plan: fresh memory on the current stream, sized as the slot's."""
-        if src.numel() == 0:
-            return None
-        size = src.numel() * src.element_size()
-        return on_storage(self._sizes.empty(k, (size,), torch.uint8, self._stream.device), src)
+        return None if src.numel() == 0 else self._sizes.like(k, src, self._stream.device)
 
     def runner(self, index: int, inner: Runner, copies: list[torch.Tensor]) -> Runner:
         """Batch ``index``'s P1 runner: for its P1-ordered values, the lengths are permuted
@@ -250,11 +247,9 @@ class PermutedCopy:
         if self._stream is None:
             return
         for k in (plan.values, plan.weights):
-            t = None if k is None else copies[k]
-            if t is not None and t.is_contiguous() and t.storage_offset() == 0:
-                self._slot[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                    t.untyped_storage()
-                )
+            storage = None if k is None else whole_storage(copies[k])
+            if storage is not None:
+                self._slot[k] = storage
         self._sent = reader.record_event() if reader is not None else None
         self._written[index] = None  # (its slot positions are not to be freed)
 
@@ -347,7 +342,6 @@ _PERMUTED_OTHERWISE = (
 def _fresh(k: int, src: torch.Tensor) -> None:
     """A destination that copies into fresh memory (and has the copy noted, on CPU too)."""
     return None
-
 
 
 def _on(stream: torch.cuda.Stream | None):

@@ -223,10 +223,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
     #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
     #: ring and the early frees save at most about a batch's KJTs, and cost host time every
-    #: step), and at world size > 1 ``stable_sizes`` (and with it ``permuted_copy``) turns off. Where the pipeline copied the
-    #: first batch (CUDA) and the whole copy is below the bound, that batch takes torchrec's
-    #: path too: no first use of recpipe's kernels (a Triton compile in a fresh process, and
-    #: MovieLens on 1 H100 ran its first 25 steps at half torchrec's speed). Measured on 1 H100
+    #: step), and at world size > 1 ``stable_sizes`` (and with it ``permuted_copy``) turns
+    #: off. Where the pipeline copied the first batch (CUDA) and the whole copy is below the
+    #: bound, that batch takes torchrec's path too: no first use of recpipe's kernels (a Triton
+    #: compile in a fresh process, and MovieLens on 1 H100 ran its first 25 steps at half
+    #: torchrec's speed). Measured on 1 H100
     #: (in one process, 5 x 50 steps): small config, 20 MiB of KJTs per batch, 4.54 ms per step
     #: against torchrec's 4.08 for 18 MiB less peak reserved;
     #: large config, 1027 MiB: 4 GiB less at 0.985-1.065x torchrec's ms/iter (single runs).
