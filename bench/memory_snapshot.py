@@ -449,6 +449,63 @@ def per_stream(
     return sorted(peaks, key=lambda p: -p.bytes)
 
 
+@dataclass(frozen=True)
+class Growth:
+    """A pool's new segment, and the allocation that needed it."""
+
+    index: int  # trace position of the segment event
+    stream: str
+    segment_bytes: int
+    alloc_bytes: int  # the allocation that did not fit the pool's cached free blocks
+    signature: str
+    metadata: str
+    cached_free: int  # the pool's reserved minus active bytes just before
+
+
+def growth(
+    snapshot: Mapping[str, Any], device: int | None = None,
+    packages: Sequence[str] = DEFAULT_PACKAGES, depth: int = 1,
+) -> list[Growth]:
+    """Every new segment in the trace window, in order: which allocation needed it, and how
+    much the pool held cached free then (fragmentation: free bytes that did not fit)."""
+    device = pick_device(snapshot, device)
+    trace = trace_of(snapshot, device)
+    allocs, _ = allocations(snapshot, device)
+    names = stream_names(snapshot, allocs)
+    mine: dict[int, list[Allocation]] = defaultdict(list)
+    for a in allocs:
+        mine[a.stream].append(a)
+    reserved = {s: _reserved(snapshot, device, s)[1] for s in mine}
+    out = []
+    for i, e in enumerate(trace):
+        stream, size = int(e.get("stream", 0)), int(e.get("size", 0))
+        if e.get("action") in _SEGMENT_SHRINK:
+            reserved[stream] = reserved.get(stream, 0) - size
+        if e.get("action") not in _SEGMENT_GROW:
+            continue
+        need = next((t for t in trace[i + 1:i + 64]
+                     if t.get("action") == "alloc" and int(t.get("stream", 0)) == stream), {})
+        active = sum(a.size for a in mine.get(stream, ()) if a.live(i, "active"))
+        have = reserved.get(stream, 0)
+        out.append(Growth(i, names.get(stream, hex(stream)), size, int(need.get("size", 0)),
+                          signature(need.get("frames") or (), packages, depth),
+                          str(need.get("user_metadata") or ""),
+                          max(0, have - active)))  # (0: the window missed a segment)
+        reserved[stream] = have + size
+    return out
+
+
+def growth_markdown(rows: Sequence[Growth]) -> str:
+    lines = ["| event | when | stream | new segment MiB | for MiB | allocated by | cached free "
+             "before MiB |", "|---:|---|---|---:|---:|---|---:|"]
+    for g in rows:
+        sig = g.signature.replace("|", "\\|")
+        lines.append(f"| {g.index} | {g.metadata or '-'} | {g.stream} | "
+                     f"{g.segment_bytes / MIB:.1f} | {g.alloc_bytes / MIB:.1f} | `{sig}` | "
+                     f"{g.cached_free / MIB:.1f} |")
+    return "\n".join(lines)
+
+
 def to_markdown(rows: Sequence[Row]) -> str:
     lines = ["| MiB | count | stream | allocated by | steps |", "|---:|---:|---|---|---|"]
     for r in rows:
@@ -602,6 +659,13 @@ def self_test() -> None:
     assert breakdown({"segments": [], "device_traces": [[{"action": "free_completed", "addr": 1,
                                                           "size": 5, "stream": 0}]]},
                      at="active") == [Row("(before trace)", "default", 5, 1)]
+    # growth: the three new segments in order, each with the allocation that needed it
+    g = growth(s)
+    assert [(x.index, x.stream, x.segment_bytes / M, x.alloc_bytes / M, x.cached_free / M)
+            for x in g] == [(0, "main", 100.0, 40.0, 0.0), (4, "data_dist?", 64.0, 64.0, 0.0),
+                            (6, "data_dist?", 32.0, 32.0, 0.0)], g
+    assert g[2].signature == dist_init and g[2].metadata == "step 2", g[2]
+    growth_markdown(g)  # renders
     full_report(s)  # renders
     print("memory_snapshot self-test: ok")
 
@@ -632,6 +696,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--per-stream", action="store_true",
                    help="one table per stream at its own pool's reserved peak")
     p.add_argument("--all", action="store_true", help="allocated + reserved + per stream")
+    p.add_argument("--growth", action="store_true",
+                   help="every new segment, the allocation that needed it and the pool's "
+                        "cached free bytes then")
     p.add_argument("--depth", type=int, default=1, help="package frames in each signature")
     p.add_argument("--packages", default=",".join(DEFAULT_PACKAGES),
                    help="frames of these packages name an allocation (innermost first)")
@@ -645,7 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("SNAPSHOT is required (or --self-test)")
     snapshot = load(a.snapshot)
     packages = tuple(x for x in a.packages.split(",") if x)
-    if a.all:
+    if a.growth:
+        print(growth_markdown(growth(snapshot, a.device, packages, a.depth)))
+    elif a.all:
         print(full_report(snapshot, a.top, a.device, a.depth, packages))
     elif a.per_stream:
         streams = per_stream(snapshot, a.device, packages, a.depth)

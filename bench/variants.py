@@ -69,6 +69,7 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_no_copy_ring": _variant("RecpipeNoCopyRing", copy_ring=False),
     "recpipe_copy_ring2": _variant("RecpipeCopyRing2", copy_ring_depth=2),
     "recpipe_exact_sizes": _variant("RecpipeExactSizes", stable_sizes=False),
+    "recpipe_exact_recat": _variant("RecpipeExactRecat", stable_recat_sizes=False),
     "recpipe_no_permuted_copy": _variant("RecpipeNoPermutedCopy", permuted_copy=False),
     "recpipe_permuted_copy": _variant("RecpipePermutedCopy", permuted_copy=True),  # row-wise too
     # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)

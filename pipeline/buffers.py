@@ -115,14 +115,25 @@ def padded_allocator(sizes: HighWater) -> Allocator:
     return padded
 
 
-def main_stream_allocator(main: torch.cuda.Stream | None) -> Allocator:
-    """Allocate on ``main``; order the current (data_dist) stream after the allocation.
+def main_stream_allocator(
+    main: torch.cuda.Stream | None, sizes: HighWater | None = None
+) -> Allocator:
+    """Allocate on ``main``; order the current (data_dist) stream after the allocation. With
+    ``sizes``, the values (and weights) get the high-water size of their site, keyed by the
+    lengths' shape and the dtypes (one module's permute from batch to batch).
 
     The returned buffers belong to main's pool: the caller keeps a Python reference until the
     main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
     ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
     """
-    return lambda spec: on_main_stream(main, lambda: allocate(spec))
+
+    def sized(spec: PermuteSpec) -> PermuteBuffers:
+        if sizes is not None:
+            key = (spec.lengths_shape, spec.values_dtype, spec.weights_dtype)
+            spec = replace(spec, num_values=sizes.numel(key, spec.num_values))
+        return allocate(spec)
+
+    return lambda spec: on_main_stream(main, lambda: sized(spec))
 
 
 class AllToAllOutputs(TorchFunctionMode):

@@ -13,7 +13,7 @@ from recpipe.kjt import (
     PermuteInto, PermuteSpec, allocate, kjt_permute_spec, permute_kjt, write_into,
 )
 from recpipe.pipeline.buffers import (
-    AllToAllOutputs, BufferRing, CopyRing, HighWater, padded_allocator,
+    AllToAllOutputs, BufferRing, CopyRing, HighWater, main_stream_allocator, padded_allocator,
 )
 
 
@@ -277,6 +277,12 @@ def test_sized_allocations_repeat_per_site() -> None:
     assert big.values.numel() == 1015 and small.values.numel() == 10
     again = padded_allocator(sizes)(replace(spec, num_values=990))  # the next batch, a bit smaller
     assert again.values.numel() == 1015
+    recat = main_stream_allocator(None, HighWater())  # P2's: keyed by lengths shape and dtypes
+    first, other_module = recat(spec), recat(replace(spec, lengths_shape=(3, 4), num_values=10))
+    next_batch = recat(replace(spec, num_values=990))
+    assert first.values.numel() == next_batch.values.numel() == 1015
+    assert other_module.values.numel() == 10
+    assert main_stream_allocator(None)(spec).values.numel() == 1000  # exact without sizes
     received = HighWater()
     for n in (640, 630):  # two batches' splits waits
         with AllToAllOutputs(received, torch.device("cpu")) as mode:

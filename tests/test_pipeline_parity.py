@@ -53,6 +53,10 @@ class StableSizesPipeline(TrainPipelineSparseDist):
     min_batch_bytes = 0  # for every batch, however small
 
 
+class StableRecatSizesPipeline(StableSizesPipeline):
+    stable_recat_sizes = True  # P2's outputs too (the default with row-wise tables)
+
+
 class OutputsOnMainPipeline(TrainPipelineSparseDist):
     all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
 
@@ -305,11 +309,15 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
         assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
 
 
-def test_stable_sizes_bit_identical_on_two_ranks() -> None:
+@pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline],
+                         ids=["stable_sizes", "stable_recat_sizes"])
+def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
     """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
-    the 3 modules' 2 groups, the weighted module's weights too); the losses stay torchrec's."""
-    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, StableSizesPipeline)
+    the 3 modules' 2 groups, the weighted module's weights too), and with
+    ``stable_recat_sizes`` P2's outputs (their values a view of the front of a larger buffer);
+    the losses stay torchrec's."""
+    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("input_dist", 0) >= STEPS, r["redirected"]
