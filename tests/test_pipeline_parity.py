@@ -311,6 +311,19 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
 
 @pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline],
                          ids=["stable_sizes", "stable_recat_sizes"])
+@pytest.mark.skipif(not GPU2, reason="the defaults below act on CUDA")
+@pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"])
+def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) -> None:
+    """Every default switch acting from the first batch (``min_batch_bytes = 0``): on CUDA at
+    world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
+    the all-to-all outputs, and with row-wise tables for P2's outputs."""
+    results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, ActOnSmallBatchesPipeline)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
+        assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
+
+
 def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
     """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
