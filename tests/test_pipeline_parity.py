@@ -309,8 +309,6 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
         assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
 
 
-@pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline],
-                         ids=["stable_sizes", "stable_recat_sizes"])
 @pytest.mark.skipif(not GPU2, reason="the defaults below act on CUDA")
 @pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"])
 def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) -> None:
@@ -324,6 +322,8 @@ def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) 
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
 
 
+@pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline],
+                         ids=["stable_sizes", "stable_recat_sizes"])
 def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
     """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
