@@ -433,14 +433,17 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         (or an upper bound before it, its whole copy: then that batch's input dist takes
         torchrec's path too, with no first use of recpipe's kernels): below
         ``min_batch_bytes``, the next batches take torchrec's path (copy, input dist; at world
-        size 1), and no high-water sizes at P1 and the all-to-all outputs (their interception
-        costs host time every step; ``sizes=False``: no P1 ran, a later batch decides them).
+        size 1), and no high-water sizes at P1, the all-to-all outputs and (unless set) P2
+        (their interception costs host time every step; ``sizes=False``: no P1 ran, a later
+        batch decides them).
         The batches already in flight finish with what they started (their side-stream writes,
         ring slot and early frees are keyed by batch)."""
         pays = size >= self.min_batch_bytes
         if self._sizes_undecided and sizes:
             if not pays:
                 self._sent_sizes = self._received_sizes = self._permuted = None
+                if self.stable_recat_sizes is None:  # (sized with stable_sizes)
+                    self._dist_init_runner = write_into(main_stream_allocator(self._main))
             self._sizes_undecided = False
         if self.redirecting is None:
             self.redirecting = pays
