@@ -180,6 +180,7 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         ("stable_sizes", "on", "stable_sizes must be True, False or None (auto), got 'on'"),
         ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 (slots; default 1), got 0"),
         ("permuted_copy", "yes", "permuted_copy must be True, False or None (auto), got 'yes'"),
+        ("stable_recat_sizes", 0, "stable_recat_sizes must be True, False or None (auto), got 0"),
         ("permuted_copy", True, "permuted_copy = True does not work with world size 1 (no "
                                 "all-to-all reads the values); leave it None"),
         ("copy_ring", False, "no error"),
