@@ -328,8 +328,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._sent_sizes = HighWater() if stable and world > 1 else None
         # decided on the first batch, as ``redirecting`` (``min_batch_bytes``)
         self._sizes_undecided = stable and world > 1 and self.min_batch_bytes > 0
-        # P2's, exact sizes: main's pool shares its blocks with the activations, which the
-        # exact sizes fit (measured: 1/64 more took new segments there)
+        # P2's: exact sizes unless stable_recat_sizes (row-wise: the received sizes vary); on
+        # steady sizes main's pool shares P2's blocks with the activations, which the exact
+        # sizes fit (measured: 1/64 more took new segments there)
         recat = self.stable_recat_sizes
         if recat is None:
             recat = self._bucketized and self._received_sizes is not None
@@ -792,8 +793,8 @@ def _with_kjt_type(
 class _DistInitRedirected(Awaitable[Any]):
     """An input-dist tensors request whose all-to-alls' ``dist_init`` (P2) is ``kjt_type``'s:
     their input KJTs take that class during the wait only (one may be the batch's own KJT,
-    when ``KeyedJaggedTensor.split`` returns it whole). ``before()`` runs first. Streams: torchrec's
-    ``PipelinedForward`` waits it on data_dist, then makes main wait on data_dist."""
+    when ``KeyedJaggedTensor.split`` returns it whole). ``before()`` runs first. Streams:
+    torchrec's ``PipelinedForward`` waits it on data_dist, then makes main wait on data_dist."""
 
     def __init__(
         self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor],
