@@ -681,6 +681,7 @@ on the GPU machine (each run dumps after its last step, with <pickle>.md next to
         --pipelines torchrec,recpipe --repeats 1 --warmup 3 --steps 5 --snapshot $OUT/snap
 then, anywhere (the analysis needs no torch):
     python3 scripts/memory_snapshot.py $OUT/snap/recpipe-rank0.pickle --per-stream --top 15
+    python3 scripts/memory_snapshot.py $OUT/snap/recpipe-rank0.pickle --growth  # new segments
 """
 
 
