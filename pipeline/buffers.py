@@ -100,40 +100,31 @@ class HighWater:
         return on_storage(self.empty(key, (size,), torch.uint8, device), src)
 
 
-def padded_allocator(sizes: HighWater) -> Allocator:
-    """Exact lengths, values (and weights) sized by ``sizes``, keyed by the call's order (one
-    allocator per batch: its ``k``-th permute is the same site from batch to batch), the
-    lengths' shape and the dtypes."""
+def padded_allocator(sizes: HighWater, by_call: bool = True) -> Allocator:
+    """Exact lengths, values (and weights) sized by ``sizes``, keyed by the lengths' shape and
+    the dtypes, and with ``by_call`` by the call's order too (one allocator per batch: its
+    ``k``-th permute is the same site from batch to batch; without it, one allocator for all
+    batches, whose sites differ in shape: one module's recat)."""
     calls = 0
 
     def padded(spec: PermuteSpec) -> PermuteBuffers:
         nonlocal calls
-        key = (calls, spec.lengths_shape, spec.values_dtype, spec.weights_dtype)
+        key = (calls if by_call else None, spec.lengths_shape, spec.values_dtype,
+               spec.weights_dtype)
         calls += 1
         return allocate(replace(spec, num_values=sizes.numel(key, spec.num_values)))
 
     return padded
 
 
-def main_stream_allocator(
-    main: torch.cuda.Stream | None, sizes: HighWater | None = None
-) -> Allocator:
-    """Allocate on ``main``; order the current (data_dist) stream after the allocation. With
-    ``sizes``, the values (and weights) get the high-water size of their site, keyed by the
-    lengths' shape and the dtypes (one module's permute from batch to batch).
+def main_stream_allocator(main: torch.cuda.Stream | None, alloc: Allocator = allocate) -> Allocator:
+    """``alloc`` on ``main``; order the current (data_dist) stream after the allocation.
 
     The returned buffers belong to main's pool: the caller keeps a Python reference until the
     main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
     ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
     """
-
-    def sized(spec: PermuteSpec) -> PermuteBuffers:
-        if sizes is not None:
-            key = (spec.lengths_shape, spec.values_dtype, spec.weights_dtype)
-            spec = replace(spec, num_values=sizes.numel(key, spec.num_values))
-        return allocate(spec)
-
-    return lambda spec: on_main_stream(main, lambda: sized(spec))
+    return lambda spec: on_main_stream(main, lambda: alloc(spec))
 
 
 class AllToAllOutputs(TorchFunctionMode):

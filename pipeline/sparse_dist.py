@@ -328,14 +328,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._sent_sizes = HighWater() if stable and world > 1 else None
         # decided on the first batch, as ``redirecting`` (``min_batch_bytes``)
         self._sizes_undecided = stable and world > 1 and self.min_batch_bytes > 0
-        # P2's: exact sizes unless stable_recat_sizes (row-wise: the received sizes vary); on
-        # steady sizes main's pool shares P2's blocks with the activations, which the exact
-        # sizes fit (measured: 1/64 more took new segments there)
-        recat = self.stable_recat_sizes
-        if recat is None:
-            recat = self._bucketized and self._received_sizes is not None
-        recat_sizes = HighWater() if recat and world > 1 else None
-        self._dist_init_runner: Runner = write_into(main_stream_allocator(main, recat_sizes))
+        self._dist_init_runner: Runner = self._recat_runner()
         if cuda and self.inplace_copy_batch:
             self._enable_inplace_copy_batch = True  # torchrec's flag: no record_stream(main)
         # only the pipeline's own copies are freed (CPU: .to() copies nothing)
@@ -443,13 +436,25 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self._sizes_undecided and sizes:
             if not pays:
                 self._sent_sizes = self._received_sizes = self._permuted = None
-                if self.stable_recat_sizes is None:  # (sized with stable_sizes)
-                    self._dist_init_runner = write_into(main_stream_allocator(self._main))
+                self._dist_init_runner = self._recat_runner()
             self._sizes_undecided = False
         if self.redirecting is None:
             self.redirecting = pays
             if not pays:
                 self._use_ring = self._free_inputs = self._use_copy_ring = False
+
+    def _recat_runner(self) -> Runner:
+        """P2's runner: main-stream buffers, sized to their site's high-water mark where
+        ``stable_recat_sizes`` resolves on (None: with row-wise tables, while the all-to-all
+        outputs are sized). Exact sizes otherwise: on steady sizes main's pool shares P2's
+        blocks with the activations, which the exact sizes fit (measured: 1/64 more took new
+        segments there)."""
+        on = self.stable_recat_sizes
+        if on is None:
+            on = self._bucketized and self._received_sizes is not None
+        sized = on and self._redirect_dist_init
+        alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate
+        return write_into(main_stream_allocator(self._main, alloc))
 
     def _release_copies(
         self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream
@@ -583,8 +588,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if index in self._learned_from:
             if sent is not None:  # main's pool: its next allocations come after the
                 self._main.wait_event(sent)  # all-to-all (the batch's forward waits anyway)
-            if not self._redirect_dist_init or dist_init_on_main_stream():
-                del self._learned_from[index]  # (else at the batch's first P2: _DistInitRedirected)
+            # dropped at the batch's first P2 (wait_sparse_data_dist), else at its dequeue
 
     def _permuted_copy(self, world: int, cuda: bool) -> PermutedCopy | None:
         """The resolved ``permuted_copy`` switch."""
@@ -663,7 +667,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             # freed earlier, the forward's first small tensors split the block, and P2's
             # batch-sized output took a new segment (2 ranks sharing 1 H200: main's pool
             # 9676 MiB)
-            learned = partial(self._learned_from.pop, context.index, None)
+            learned = None
+            if context.index in self._learned_from:
+                learned = partial(self._learned_from.pop, context.index, None)
             for name, request in requests.items():
                 requests[name] = _DistInitRedirected(request, self._kjt_type, learned)
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values

@@ -277,7 +277,7 @@ def test_sized_allocations_repeat_per_site() -> None:
     assert big.values.numel() == 1015 and small.values.numel() == 10
     again = padded_allocator(sizes)(replace(spec, num_values=990))  # the next batch, a bit smaller
     assert again.values.numel() == 1015
-    recat = main_stream_allocator(None, HighWater())  # P2's: keyed by lengths shape and dtypes
+    recat = main_stream_allocator(None, padded_allocator(HighWater(), by_call=False))  # P2's
     first, other_module = recat(spec), recat(replace(spec, lengths_shape=(3, 4), num_values=10))
     next_batch = recat(replace(spec, num_values=990))
     assert first.values.numel() == next_batch.values.numel() == 1015
