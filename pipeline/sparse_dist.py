@@ -115,13 +115,14 @@ class PipelineStats(RedirectStats):
     inputs were given back a step early (``released``); bytes of input KJTs freed early
     (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``) and
     sized to their high-water mark (``outputs_sized``); batches copied in P1's order
-    (``permuted_copies``)."""
+    (``permuted_copies``); input dists started after the forward (``late_input_dists``)."""
 
     released: int = 0
     inputs_freed_bytes: int = 0
     outputs_on_main: int = 0
     outputs_sized: int = 0
     permuted_copies: int = 0
+    late_input_dists: int = 0
 
 
 class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
@@ -231,6 +232,14 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: 2 alternating runs) at 0.999x torchrec's ms/iter and 15214 MiB peak reserved per rank,
     #: against 1.002x and 16272 MiB without it.
     permuted_copy: bool | None = None
+    #: World size > 1: start batch i+1's input dist (P1, a row-wise group's bucketize, the
+    #: splits all-to-all) after the forward of batch i has been queued, right before its wait
+    #: (torchrec starts it before that forward). Its allocations on data_dist then reuse batch
+    #: i's received all-to-all tensors, which that forward's P2 read and dropped, and the
+    #: forward's wait for data_dist no longer waits for batch i+1's input dist. The host's
+    #: splits read then follows the input dist closely (it waits for the bucketize on the
+    #: device). None (default): with row-wise tables.
+    input_dist_after_forward: bool | None = None
     #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
     #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
@@ -366,10 +375,21 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
+        late = self.input_dist_after_forward
+        self._late_input_dist = world > 1 and (self._bucketized if late is None else late)
+        # the next batch's input dist, deferred by start_sparse_data_dist to its wait
+        self._late: tuple[In, TrainPipelineContext] | None = None
 
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
         # from _pipeline_model); torchrec switches to data_dist inside.
+        if (self._late_input_dist and batch is not None and self.contexts
+                and self.contexts[0] is not context):
+            self._late = (batch, context)  # progress() waits it after the forward of contexts[0]
+            return
+        self._start_input_dist(batch, context)
+
+    def _start_input_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
         copied = self._copied.get(context.index)  # (None or []: not copied by this pipeline)
@@ -646,6 +666,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return partial(setattr, permuted, "plannable", ok)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
+        late, self._late = self._late, None
+        if late is not None:
+            self._start_input_dist(*late)
+            self.stats.late_input_dists += 1
         permuted = self._permuted
         before = None  # data_dist waits for the permuted copy: after the splits' host read
         if permuted is not None and not self._bucketized:
@@ -684,6 +708,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         """torchrec's ``reset`` (its batches dropped, batch indices from 0 again), and recpipe's
         state kept per batch index."""
         super().reset()
+        self._late = None
         for kept in (self._copied, self._received, self._releasable, self._learned_from):
             kept.clear()
         self._sends_released.clear()
@@ -758,7 +783,7 @@ def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
     """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
     otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
     for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring", "stable_sizes",
-                 "permuted_copy", "stable_recat_sizes"):
+                 "permuted_copy", "stable_recat_sizes", "input_dist_after_forward"):
         value = getattr(pipeline, name)
         if value is not None and type(value) is not bool:
             raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")

@@ -57,6 +57,11 @@ class StableRecatSizesPipeline(StableSizesPipeline):
     stable_recat_sizes = True  # P2's outputs too (the default with row-wise tables)
 
 
+class LateInputDistPipeline(StableRecatSizesPipeline):
+    input_dist_after_forward = True  # the next batch's input dist after the forward (row-wise's)
+    permuted_copy = True  # and the copy's slot, whose order it changes
+
+
 class OutputsOnMainPipeline(TrainPipelineSparseDist):
     all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
 
@@ -181,6 +186,8 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 (slots; default 1), got 0"),
         ("permuted_copy", "yes", "permuted_copy must be True, False or None (auto), got 'yes'"),
         ("stable_recat_sizes", 0, "stable_recat_sizes must be True, False or None (auto), got 0"),
+        ("input_dist_after_forward", 1,
+         "input_dist_after_forward must be True, False or None (auto), got 1"),
         ("permuted_copy", True, "permuted_copy = True does not work with world size 1 (no "
                                 "all-to-all reads the values); leave it None"),
         ("copy_ring", False, "no error"),
@@ -323,19 +330,22 @@ def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) 
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
 
 
-@pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline],
-                         ids=["stable_sizes", "stable_recat_sizes"])
+@pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline],
+                         ids=["stable_sizes", "stable_recat_sizes", "input_dist_after_forward"])
 def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
     """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
     the 3 modules' 2 groups, the weighted module's weights too), and with
-    ``stable_recat_sizes`` P2's outputs (their values a view of the front of a larger buffer);
-    the losses stay torchrec's."""
+    ``stable_recat_sizes`` P2's outputs (their values a view of the front of a larger buffer),
+    and with ``input_dist_after_forward`` every next batch's input dist after the forward; the
+    losses stay torchrec's."""
     results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
+    late = STEPS - 1 if ours is LateInputDistPipeline else 0
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("input_dist", 0) >= STEPS, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
+        assert r["redirected"].get("late_input_dists", 0) == late, r["redirected"]
 
 
 def test_losses_bit_identical_on_four_ranks() -> None:
