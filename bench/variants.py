@@ -72,6 +72,7 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_exact_recat": _variant("RecpipeExactRecat", stable_recat_sizes=False),
     "recpipe_no_permuted_copy": _variant("RecpipeNoPermutedCopy", permuted_copy=False),
     "recpipe_dist_before_forward": _variant("RecpipeDistBeforeForward", input_dist_after_forward=False),
+    "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist_after_forward=True),
     "recpipe_permuted_copy": _variant("RecpipePermutedCopy", permuted_copy=True),  # row-wise too
     # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)
     "recpipe_off": _variant("RecpipeOff", ring_feature_permute=False, free_inputs_early=False),
