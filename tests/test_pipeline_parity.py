@@ -322,12 +322,15 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
 def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) -> None:
     """Every default switch acting from the first batch (``min_batch_bytes = 0``): on CUDA at
     world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
-    the all-to-all outputs, and with row-wise tables for P2's outputs."""
+    the all-to-all outputs, and with row-wise tables for P2's outputs and the input dists at
+    the step's end."""
     results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, ActOnSmallBatchesPipeline)
+    late = STEPS - 1 if "rw" in sharding else 0
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
+        assert r["redirected"].get("late_input_dists", 0) == late, r["redirected"]
 
 
 @pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline],
