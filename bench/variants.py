@@ -71,9 +71,7 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_exact_sizes": _variant("RecpipeExactSizes", stable_sizes=False),
     "recpipe_exact_recat": _variant("RecpipeExactRecat", stable_recat_sizes=False),
     "recpipe_no_permuted_copy": _variant("RecpipeNoPermutedCopy", permuted_copy=False),
-    # the next batch's input dist in torchrec's order / at the end of the step
-    "recpipe_dist_torchrec_order": _variant("RecpipeDistTorchrecOrder", input_dist_after_backward=False),
-    "recpipe_dist_after_backward": _variant("RecpipeDistAfterBackward", input_dist_after_backward=True),
+    "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist_after_forward=True),
     "recpipe_permuted_copy": _variant("RecpipePermutedCopy", permuted_copy=True),  # row-wise too
     # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)
     "recpipe_off": _variant("RecpipeOff", ring_feature_permute=False, free_inputs_early=False),

@@ -115,7 +115,7 @@ class PipelineStats(RedirectStats):
     inputs were given back a step early (``released``); bytes of input KJTs freed early
     (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``) and
     sized to their high-water mark (``outputs_sized``); batches copied in P1's order
-    (``permuted_copies``); input dists run at the end of the step (``late_input_dists``)."""
+    (``permuted_copies``); input dists started after the forward (``late_input_dists``)."""
 
     released: int = 0
     inputs_freed_bytes: int = 0
@@ -232,18 +232,17 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: 2 alternating runs) at 0.999x torchrec's ms/iter and 15214 MiB peak reserved per rank,
     #: against 1.002x and 16272 MiB without it.
     permuted_copy: bool | None = None
-    #: World size > 1: run batch i+1's input dist (P1, a row-wise group's bucketize, the splits
-    #: all-to-all and its host read, the tensor all-to-alls) at the end of step i, once its
-    #: backward and optimizer step are queued (``dequeue_batch``), instead of starting it before
-    #: the forward of batch i and launching its all-to-alls before that backward (torchrec's
-    #: order). Its data_dist allocations then come after that forward's P2 read and dropped
-    #: batch i's received all-to-all tensors, and reuse their memory. The splits' host read
-    #: waits for the bucketize and the splits all-to-all, which wait for P2 (whose main-stream
-    #: buffers wait for main's work queued before them); with the backward queued, the GPU has
-    #: that step's work ahead of it meanwhile. Started after the forward instead, the read left
-    #: the GPU too little: 1.06x torchrec's ms/iter on 2 H200s. None (default): with row-wise
-    #: tables, and off with ``stable_sizes`` below ``min_batch_bytes``.
-    input_dist_after_backward: bool | None = None
+    #: World size > 1: start batch i+1's input dist (P1, a row-wise group's bucketize, the
+    #: splits all-to-all) after the forward of batch i has been queued, right before its wait
+    #: (torchrec starts it before that forward). Its data_dist allocations then come after that
+    #: forward's P2 read and dropped batch i's received all-to-all tensors, and reuse their
+    #: memory. The splits' host read then waits for the bucketize and the splits all-to-all,
+    #: queued behind P2 (whose main-stream buffers wait for main's work before them). Off:
+    #: on 2 H200s (large config, table-/row-wise, 2 alternating runs) 13272 against 15022 MiB
+    #: peak reserved per rank, but 1.060x torchrec's ms/iter against 1.017x (2 ranks sharing
+    #: one H200: 15046 against 16668 MiB). Run at the end of the step instead (after the
+    #: backward) it was as slow, with 14034 MiB.
+    input_dist_after_forward: bool = False
     #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
     #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
@@ -379,9 +378,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
-        late = self.input_dist_after_backward
-        self._late_input_dist = world > 1 and (self._bucketized if late is None else late)
-        # the next batch's input dist, deferred by start_sparse_data_dist to the step's end
+        self._late_input_dist = world > 1 and self.input_dist_after_forward
+        # the next batch's input dist, deferred by start_sparse_data_dist to its wait
         self._late: tuple[In, TrainPipelineContext] | None = None
 
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
@@ -389,7 +387,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # from _pipeline_model); torchrec switches to data_dist inside.
         if (self._late_input_dist and batch is not None and self.contexts
                 and self.contexts[0] is not context):
-            self._late = (batch, context)  # run at the end of the step (dequeue_batch)
+            self._late = (batch, context)  # started by its wait, after the forward of contexts[0]
             return
         self._start_input_dist(batch, context)
 
@@ -453,15 +451,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         ``min_batch_bytes``, the next batches take torchrec's path (copy, input dist; at world
         size 1), and no high-water sizes at P1, the all-to-all outputs and (unless set) P2
         (their interception costs host time every step; ``sizes=False``: no P1 ran, a later
-        batch decides them), and (unless set) the input dists in torchrec's order (where the
-        host does not run ahead of the GPU, the end of the step is too late for them).
+        batch decides them)).
         The batches already in flight finish with what they started (their side-stream writes,
         ring slot and early frees are keyed by batch)."""
         pays = size >= self.min_batch_bytes
         if self._sizes_undecided and sizes:
             if not pays:
                 self._sent_sizes = self._received_sizes = self._permuted = None
-                self._late_input_dist = self.input_dist_after_backward is True
                 self._dist_init_runner = self._recat_runner()
             self._sizes_undecided = False
         if self.redirecting is None:
@@ -672,11 +668,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return partial(setattr, permuted, "plannable", ok)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-        if self._late is not None and self._late[1] is context:
-            return  # with its start, at the end of the step (dequeue_batch)
-        self._wait_input_dist(context)
-
-    def _wait_input_dist(self, context: TrainPipelineContext) -> None:
+        late, self._late = self._late, None
+        if late is not None:  # (input_dist_after_forward)
+            self._start_input_dist(*late)
+            self.stats.late_input_dists += 1
         permuted = self._permuted
         before = None  # data_dist waits for the permuted copy: after the splits' host read
         if permuted is not None and not self._bucketized:
@@ -724,11 +719,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
-        late, self._late = self._late, None
-        if late is not None:  # (input_dist_after_backward) the next batch's input dist
-            self._start_input_dist(*late)
-            self._wait_input_dist(late[1])
-            self.stats.late_input_dists += 1
         self._ring.release(self.contexts[0].index)
         if self._copy_ring_on:
             self._copy_ring.release_late(self.contexts[0].index, self._main)
@@ -795,11 +785,12 @@ def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
     """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
     otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
     for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring", "stable_sizes",
-                 "permuted_copy", "stable_recat_sizes", "input_dist_after_backward"):
+                 "permuted_copy", "stable_recat_sizes"):
         value = getattr(pipeline, name)
         if value is not None and type(value) is not bool:
             raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")
-    for name in ("inplace_copy_batch", "free_inputs_early", "all_to_all_outputs_on_main"):
+    for name in ("inplace_copy_batch", "free_inputs_early", "all_to_all_outputs_on_main",
+                 "input_dist_after_forward"):
         value = getattr(pipeline, name)
         if type(value) is not bool:
             raise ValueError(f"{name} must be True or False, got {value!r}")
