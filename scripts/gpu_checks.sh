@@ -42,12 +42,20 @@ case "${1:-}" in
     [ "$ngpu" -ge 4 ] && k=""
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pipeline_parity.py tests/test_kjt.py -k "$k" \
       2>&1 | tee "$out/parity.log" | tail -3
-    csan_pipelines=torchrec,recpipe_always  # the tiny config's batches are below min_batch_bytes
-    [ "$ngpu" -eq 1 ] && csan_pipelines=torchrec,recpipe_always,recpipe_ring3
-    TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
-      --warmup 2 --steps 8 --pipelines "$csan_pipelines" >"$out/csan.log" 2>&1
-    echo "sanitizer: rc=$? reports=$(grep -ci 'data race' "$out/csan.log")" \
-      "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan.log")"
+    # one process per pipeline and plan (a flagged run stops the benchmark's next ones); the
+    # tiny config's batches are below min_batch_bytes, so recpipe_always
+    csan_pipelines="torchrec recpipe_always" csan_plans=table_wise,column_wise
+    [ "$ngpu" -eq 1 ] && csan_pipelines="torchrec recpipe_always recpipe_ring3"
+    [ "$ngpu" -ge 2 ] && csan_pipelines="$csan_pipelines recpipe_dist_after_forward" \
+      csan_plans="table_wise,column_wise table_wise,row_wise"
+    for plan in $csan_plans; do
+      for p in $csan_pipelines; do
+        TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
+          --warmup 2 --steps 8 --sharding "$plan" --pipelines "$p" >"$out/csan-$plan-$p.log" 2>&1
+        echo "sanitizer $plan $p: rc=$? reports=$(grep -ci 'data race' "$out/csan-$plan-$p.log")" \
+          "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan-$plan-$p.log")"
+      done
+    done
     # bit-identity at the large size needs deterministic kernels (fbgemm's TBE backward)
     python3 scripts/bench_pipeline.py --config large --deterministic --repeats 1 --warmup 2 \
       --steps 10 --sharding "$sharding" --pipelines torchrec,recpipe --json "$out/large-det-$ngpu.json" \
