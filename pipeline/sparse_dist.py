@@ -451,7 +451,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         ``min_batch_bytes``, the next batches take torchrec's path (copy, input dist; at world
         size 1), and no high-water sizes at P1, the all-to-all outputs and (unless set) P2
         (their interception costs host time every step; ``sizes=False``: no P1 ran, a later
-        batch decides them)).
+        batch decides them).
         The batches already in flight finish with what they started (their side-stream writes,
         ring slot and early frees are keyed by batch)."""
         pays = size >= self.min_batch_bytes

@@ -4,7 +4,7 @@ pipeline's use of it on 2 ranks is in test_pipeline_parity.py."""
 import torch
 
 from recpipe.ops import permute_2D_sparse_data
-from recpipe.pipeline.permuted_copy import write_permuted
+from recpipe.pipeline.permuted_copy import _front, _whole, write_permuted
 
 
 def test_write_permuted_gives_p1s_values_and_weights() -> None:
@@ -28,3 +28,22 @@ def test_write_permuted_copies_as_is_where_the_lengths_do_not_describe_the_value
     target.zero_()
     assert not write_permuted(None, [values, None], [target, None], (1, 0))  # (no lengths seen)
     assert torch.equal(target, values)
+
+
+def test_slot_tensors_are_views_of_the_slot_memory() -> None:
+    """The slot's tensors are views (the CUDA sanitizer counts ``set_`` onto shared memory as a
+    write): at the front of the slot's bytes, and over a taken-over tensor's whole storage."""
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    like = torch.arange(3, dtype=torch.int64)
+    front = _front(buffer, like)
+    assert front._is_view() and front.dtype == like.dtype and front.shape == like.shape
+    front.copy_(like)
+    assert front.data_ptr() == buffer.data_ptr()
+    assert buffer[:24].view(torch.int64).tolist() == [0, 1, 2]
+    storage = torch.empty(40, dtype=torch.uint8).untyped_storage()  # a padded buffer's
+    padded = torch.empty(0, dtype=torch.int32).set_(storage, 0, (4,))
+    whole = _whole(padded)
+    assert whole is not None and whole._is_view() and whole.numel() == 40
+    assert whole.data_ptr() == padded.data_ptr()
+    assert _whole(torch.arange(8)[2:]) is None  # not from the storage's start
+

@@ -329,8 +329,10 @@ def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) 
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
 
 
-@pytest.mark.parametrize("ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline],
-                         ids=["stable_sizes", "stable_recat_sizes", "input_dist_after_forward"])
+@pytest.mark.parametrize(
+    "ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline],
+    ids=["stable_sizes", "stable_recat_sizes", "input_dist_after_forward"],
+)
 def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
     """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
