@@ -72,6 +72,8 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_exact_recat": _variant("RecpipeExactRecat", stable_recat_sizes=False),
     "recpipe_no_permuted_copy": _variant("RecpipeNoPermutedCopy", permuted_copy=False),
     "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist_after_forward=True),
+    "recpipe_always_dist_after_forward": _variant(  # (the sanitizer's tiny config)
+        "RecpipeAlwaysDistAfterForward", input_dist_after_forward=True, **_ALWAYS),
     "recpipe_permuted_copy": _variant("RecpipePermutedCopy", permuted_copy=True),  # row-wise too
     # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)
     "recpipe_off": _variant("RecpipeOff", ring_feature_permute=False, free_inputs_early=False),

@@ -236,12 +236,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: splits all-to-all) after the forward of batch i has been queued, right before its wait
     #: (torchrec starts it before that forward). Its data_dist allocations then come after that
     #: forward's P2 read and dropped batch i's received all-to-all tensors, and reuse their
-    #: memory. The splits' host read then waits for the bucketize and the splits all-to-all,
-    #: queued behind P2 (whose main-stream buffers wait for main's work before them). Off:
-    #: on 2 H200s (large config, table-/row-wise, 2 alternating runs) 13272 against 15022 MiB
-    #: peak reserved per rank, but 1.060x torchrec's ms/iter against 1.017x (2 ranks sharing
-    #: one H200: 15046 against 16668 MiB). Run at the end of the step instead (after the
-    #: backward) it was as slow, with 14034 MiB.
+    #: memory. Off: on 2 H200s (large config, table-/row-wise, 2-3 alternating runs) 13272
+    #: against 15022 MiB peak reserved per rank, but 1.060x torchrec's ms/iter against 1.017x
+    #: (2 ranks sharing one H200: 15046 against 16668 MiB). Why it is slower is not profiled:
+    #: the splits' host read now syncs behind P2 (whose main-stream buffers wait for main's
+    #: work before them), and the start waits for the memcpy stream after batch i+2's copy
+    #: is queued; run at the end of the step instead (after the backward) it was as slow.
+    #: Without the permuted copy, the one-slot copy ring gives each copy new memory with it.
     input_dist_after_forward: bool = False
     #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
@@ -670,6 +671,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         late, self._late = self._late, None
         if late is not None:  # (input_dist_after_forward)
+            assert late[1] is context, "recpipe: a deferred input dist waited out of order"
             self._start_input_dist(*late)
             self.stats.late_input_dists += 1
         permuted = self._permuted

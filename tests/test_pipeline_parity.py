@@ -62,6 +62,11 @@ class LateInputDistPipeline(StableRecatSizesPipeline):
     permuted_copy = True  # and the copy's slot, whose order it changes
 
 
+class LateInputDistOnSmallBatchesPipeline(TrainPipelineSparseDist):
+    input_dist_after_forward = True
+    min_batch_bytes = 0  # every other switch at its default
+
+
 class OutputsOnMainPipeline(TrainPipelineSparseDist):
     all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
 
@@ -317,16 +322,24 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
 
 
 @pytest.mark.skipif(not GPU2, reason="the defaults below act on CUDA")
-@pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"])
-def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str) -> None:
+@pytest.mark.parametrize("sharding, ours", [
+    ("mixed_tw_cw", ActOnSmallBatchesPipeline),
+    ("mixed_tw_rw_cw", ActOnSmallBatchesPipeline),
+    ("mixed_tw_rw_cw", LateInputDistOnSmallBatchesPipeline),
+], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-input_dist_after_forward"])
+def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, ours: type) -> None:
     """Every default switch acting from the first batch (``min_batch_bytes = 0``): on CUDA at
     world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
-    the all-to-all outputs, and with row-wise tables for P2's outputs."""
-    results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, ActOnSmallBatchesPipeline)
+    the all-to-all outputs, and with row-wise tables for P2's outputs; with row-wise tables
+    also with ``input_dist_after_forward`` (the bucketize after the forward, waiting for the
+    permuted copy)."""
+    results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, ours)
+    late = STEPS - 1 if ours is LateInputDistOnSmallBatchesPipeline else 0
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
+        assert r["redirected"].get("late_input_dists", 0) == late, r["redirected"]
 
 
 @pytest.mark.parametrize(
@@ -347,6 +360,8 @@ def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
         assert r["redirected"].get("input_dist", 0) >= STEPS, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
         assert r["redirected"].get("late_input_dists", 0) == late, r["redirected"]
+        if late:  # (and the permuted copy's slot, whose order it changes)
+            assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
 
 
 def test_losses_bit_identical_on_four_ranks() -> None:
