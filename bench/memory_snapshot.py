@@ -460,17 +460,77 @@ class Growth:
     signature: str
     metadata: str
     cached_free: int  # the pool's reserved minus active bytes just before
+    largest_free: int = 0  # the pool's largest free gap in one segment just before
+    held: str = ""  # what was live in the pool's segments large enough for the allocation
+
+
+@dataclass(frozen=True)
+class _Segment:
+    addr: int
+    size: int
+    stream: int
+    start: int  # trace position of its segment event (-1: before the window)
+    end: int  # trace position of its release (len(trace): still reserved at the end)
+
+
+def _segments_in_window(snapshot: Mapping[str, Any], device: int) -> list[_Segment]:
+    """Every segment that existed in the trace window, with when it came and went."""
+    trace = trace_of(snapshot, device)
+    n, out, open_ = len(trace), [], {}
+    for i, e in enumerate(trace):
+        addr, size, stream = int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0))
+        if e.get("action") in _SEGMENT_GROW:
+            open_[addr] = _Segment(addr, size, stream, i, n)
+        elif e.get("action") in _SEGMENT_SHRINK:
+            seg = open_.pop(addr, None) or _Segment(addr, size, stream, -1, n)
+            out.append(_Segment(seg.addr, seg.size, seg.stream, seg.start, i))
+    came = {s.addr for s in open_.values()} | {s.addr for s in out if s.start >= 0}
+    out += open_.values()
+    out += [_Segment(int(g.get("address", 0)), int(g.get("total_size", 0)),
+                     int(g.get("stream", 0)), -1, n)
+            for g in segments_of(snapshot, device) if int(g.get("address", 0)) not in came]
+    return out
+
+
+def _free_gaps(seg: _Segment, live: Sequence[Allocation]) -> int:
+    """The largest free gap in ``seg`` between the blocks ``live`` in it (by the sizes that
+    the trace records: where those are requests, not rounded blocks, a gap may be up to the
+    allocator's rounding smaller)."""
+    best, at = 0, seg.addr
+    for a in sorted(live, key=lambda a: a.addr):
+        best, at = max(best, a.addr - at), max(at, a.addr + a.size)
+    return max(best, seg.addr + seg.size - at)
+
+
+def _held(
+    i: int, need: int, segments: Sequence[_Segment], live: Sequence[Allocation],
+    packages: Sequence[str], depth: int,
+) -> tuple[int, str]:
+    """The largest free gap among ``segments`` at trace event ``i``, and for each segment at
+    least ``need`` bytes large, its live blocks (largest 3: MiB and where allocated)."""
+    largest, held = 0, []
+    for seg in sorted(segments, key=lambda g: -g.size):
+        inside = [a for a in live if seg.addr <= a.addr < seg.addr + seg.size]
+        largest = max(largest, _free_gaps(seg, inside))
+        if seg.size >= need and inside:
+            top = sorted(inside, key=lambda a: -a.size)[:3]
+            blocks = ", ".join(f"{a.size / MIB:.1f} {signature(a.frames, packages, depth)}"
+                               for a in top)
+            held.append(f"{seg.size / MIB:.0f} MiB segment: {blocks}")
+    return largest, "; ".join(held)
 
 
 def growth(
     snapshot: Mapping[str, Any], device: int | None = None,
     packages: Sequence[str] = DEFAULT_PACKAGES, depth: int = 1,
 ) -> list[Growth]:
-    """Every new segment in the trace window, in order: which allocation needed it, and how
-    much the pool held cached free then (fragmentation: free bytes that did not fit)."""
+    """Every new segment in the trace window, in order: which allocation needed it, how much
+    the pool held cached free then, its largest free gap (free bytes that did not fit:
+    fragmentation), and what was live in the pool's segments that were large enough."""
     device = pick_device(snapshot, device)
     trace = trace_of(snapshot, device)
     allocs, _ = allocations(snapshot, device)
+    segments = _segments_in_window(snapshot, device)
     names = stream_names(snapshot, allocs)
     mine: dict[int, list[Allocation]] = defaultdict(list)
     for a in allocs:
@@ -485,24 +545,30 @@ def growth(
             continue
         need = next((t for t in trace[i + 1:i + 64]
                      if t.get("action") == "alloc" and int(t.get("stream", 0)) == stream), {})
-        active = sum(a.size for a in mine.get(stream, ()) if a.live(i, "active"))
+        live = [a for a in mine.get(stream, ()) if a.live(i, "active")]
+        active = sum(a.size for a in live)
         have = reserved.get(stream, 0)
+        pool = [g for g in segments if g.stream == stream and g.start < i < g.end]
+        largest, held = _held(i, int(need.get("size", 0)), pool, live, packages, depth)
         out.append(Growth(i, names.get(stream, hex(stream)), size, int(need.get("size", 0)),
                           signature(need.get("frames") or (), packages, depth),
                           str(need.get("user_metadata") or ""),
-                          max(0, have - active)))  # (0: the window missed a segment)
+                          max(0, have - active),  # (0: the window missed a segment)
+                          largest, held))
         reserved[stream] = have + size
     return out
 
 
 def growth_markdown(rows: Sequence[Growth]) -> str:
     lines = ["| event | when | stream | new segment MiB | for MiB | allocated by | cached free "
-             "before MiB |", "|---:|---|---|---:|---:|---|---:|"]
+             "before MiB | largest free gap MiB | live then in the segments it would fit |",
+             "|---:|---|---|---:|---:|---|---:|---:|---|"]
     for g in rows:
         sig = g.signature.replace("|", "\\|")
+        held = g.held.replace("|", "\\|")
         lines.append(f"| {g.index} | {g.metadata or '-'} | {g.stream} | "
                      f"{g.segment_bytes / MIB:.1f} | {g.alloc_bytes / MIB:.1f} | `{sig}` | "
-                     f"{g.cached_free / MIB:.1f} |")
+                     f"{g.cached_free / MIB:.1f} | {g.largest_free / MIB:.1f} | {held or '-'} |")
     return "\n".join(lines)
 
 
@@ -665,7 +731,14 @@ def self_test() -> None:
             for x in g] == [(0, "main", 100.0, 40.0, 0.0), (4, "data_dist?", 64.0, 64.0, 0.0),
                             (6, "data_dist?", 32.0, 32.0, 0.0)], g
     assert g[2].signature == dist_init and g[2].metadata == "step 2", g[2]
-    growth_markdown(g)  # renders
+    # at event 6 the 64 MiB segment is held whole by the permute; main's first segment (event
+    # 0) found only the 4 MiB one from before the window, held by a block live all along
+    assert [(x.largest_free / M, x.held) for x in g] == [
+        (0.0, ""), (0.0, ""),
+        (0.0, "64 MiB segment: 64.0 torchrec/sparse/jagged_tensor.py:10 permute")], g
+    assert "| 0.0 | 64 MiB segment:" in growth_markdown(g)
+    blocks = [Allocation(10, 20, 0, (), 0, 1, 1), Allocation(50, 10, 0, (), 0, 1, 1)]
+    assert _free_gaps(_Segment(0, 100, 0, -1, 1), blocks) == 40  # 10, 20, then 60..100
     full_report(s)  # renders
     print("memory_snapshot self-test: ok")
 
@@ -698,8 +771,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="one table per stream at its own pool's reserved peak")
     p.add_argument("--all", action="store_true", help="allocated + reserved + per stream")
     p.add_argument("--growth", action="store_true",
-                   help="every new segment, the allocation that needed it and the pool's "
-                        "cached free bytes then")
+                   help="every new segment, the allocation that needed it, the pool's "
+                        "cached free bytes and largest free gap then, and what was live in "
+                        "the segments large enough for it")
     p.add_argument("--depth", type=int, default=1, help="package frames in each signature")
     p.add_argument("--packages", default=",".join(DEFAULT_PACKAGES),
                    help="frames of these packages name an allocation (innermost first)")
