@@ -479,9 +479,30 @@ def on_storage(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def whole_storage(t: torch.Tensor) -> torch.Tensor | None:
     """``t``'s whole storage as a byte tensor (for a ring to take its memory over), or None
     where ``t`` is not contiguous from the storage's start."""
-    if not t.is_contiguous() or t.storage_offset() != 0:
+    if not _from_start(t):
         return None
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+# The view forms of the two above, for memory that other streams use while the tensor is
+# made (the permuted copy's slot): the CUDA sanitizer counts a ``set_`` as a write on the
+# current stream, though it launches nothing, and a view as metadata only. A view keeps its
+# base alive, so the copy ring, which counts a storage's holders, keeps the ``set_`` forms.
+def front_view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A view of ``like``'s dtype and shape at the front of the byte tensor ``buffer``."""
+    return buffer[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+def whole_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A byte view of ``t``'s whole storage, or None where ``t`` is not contiguous from the
+    storage's start."""
+    if not _from_start(t):
+        return None
+    return t.reshape(-1).view(torch.uint8).as_strided((t.untyped_storage().nbytes(),), (1,))
+
+
+def _from_start(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0
 
 
 def _done(released: torch.cuda.Event | bool) -> bool:

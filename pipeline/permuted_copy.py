@@ -42,7 +42,7 @@ import torch
 
 from recpipe.kjt import Destination, Later, Runner
 from recpipe.ops import PermuteResult
-from recpipe.pipeline.buffers import HighWater
+from recpipe.pipeline.buffers import HighWater, front_view, whole_view
 
 
 class _Plan(NamedTuple):
@@ -152,7 +152,7 @@ class PermutedCopy:
                 self._slot[k] = buffer
                 if self._stream is not None:  # (allocated on the copy stream)
                     self._stream.wait_stream(torch.cuda.current_stream(device))
-            copy.targets[k] = _front(buffer, src)
+            copy.targets[k] = front_view(buffer, src)
             return Later(copy.targets[k])
 
         return into
@@ -247,7 +247,7 @@ class PermutedCopy:
         if self._stream is None:
             return
         for k in (plan.values, plan.weights):
-            storage = None if k is None else _whole(copies[k])
+            storage = None if k is None else whole_view(copies[k])
             if storage is not None:
                 self._slot[k] = storage
         self._sent = reader.record_event() if reader is not None else None
@@ -348,17 +348,3 @@ def _on(stream: torch.cuda.Stream | None):
     """``stream`` current in the block (nothing on CPU)."""
     return nullcontext() if stream is None else torch.cuda.stream(stream)
 
-
-# The slot's tensors are views (metadata only): the CUDA sanitizer counts ``set_`` onto memory
-# that other streams use as a write on the current stream, though it launches nothing.
-def _front(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A view of ``like``'s dtype and shape at the front of the byte tensor ``buffer``."""
-    return buffer[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor | None:
-    """A byte view of ``t``'s whole storage (for the slot to take its memory over), or None
-    where ``t`` is not contiguous from the storage's start."""
-    if not t.is_contiguous() or t.storage_offset() != 0:
-        return None
-    return t.reshape(-1).view(torch.uint8).as_strided((t.untyped_storage().nbytes(),), (1,))

@@ -4,7 +4,8 @@ pipeline's use of it on 2 ranks is in test_pipeline_parity.py."""
 import torch
 
 from recpipe.ops import permute_2D_sparse_data
-from recpipe.pipeline.permuted_copy import _front, _whole, write_permuted
+from recpipe.pipeline.buffers import front_view, whole_view
+from recpipe.pipeline.permuted_copy import write_permuted
 
 
 def test_write_permuted_gives_p1s_values_and_weights() -> None:
@@ -35,15 +36,15 @@ def test_slot_tensors_are_views_of_the_slot_memory() -> None:
     write): at the front of the slot's bytes, and over a taken-over tensor's whole storage."""
     buffer = torch.zeros(64, dtype=torch.uint8)
     like = torch.arange(3, dtype=torch.int64)
-    front = _front(buffer, like)
+    front = front_view(buffer, like)
     assert front._is_view() and front.dtype == like.dtype and front.shape == like.shape
     front.copy_(like)
     assert front.data_ptr() == buffer.data_ptr()
     assert buffer[:24].view(torch.int64).tolist() == [0, 1, 2]
     storage = torch.empty(40, dtype=torch.uint8).untyped_storage()  # a padded buffer's
     padded = torch.empty(0, dtype=torch.int32).set_(storage, 0, (4,))
-    whole = _whole(padded)
+    whole = whole_view(padded)
     assert whole is not None and whole._is_view() and whole.numel() == 40
     assert whole.data_ptr() == padded.data_ptr()
-    assert _whole(torch.arange(8)[2:]) is None  # not from the storage's start
+    assert whole_view(torch.arange(8)[2:]) is None  # not from the storage's start
 
