@@ -238,11 +238,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: forward's P2 read and dropped batch i's received all-to-all tensors, and reuse their
     #: memory. Off: on 2 H200s (large config, table-/row-wise, 2-3 alternating runs) 13272
     #: against 15022 MiB peak reserved per rank, but 1.060x torchrec's ms/iter against 1.017x
-    #: (2 ranks sharing one H200: 15046 against 16668 MiB). Why it is slower is not profiled:
-    #: the splits' host read now syncs behind P2 (whose main-stream buffers wait for main's
-    #: work before them), and the start waits for the memcpy stream after batch i+2's copy
-    #: is queued; run at the end of the step instead (after the backward) it was as slow.
-    #: Without the permuted copy, the one-slot copy ring gives each copy new memory with it.
+    #: (2 ranks sharing one H200: 15046 against 16668 MiB). Those runs made the deferred start
+    #: wait for the whole memcpy stream, so for batch i+2's copy too (torchrec queues it
+    #: between the start and the forward); it now waits for batch i+1's copy alone (not yet
+    #: measured on GPUs). Also not profiled: the splits' host read now syncs behind the
+    #: forward's output all-to-all. Run at the end of the step instead (after the backward) it
+    #: was as slow. Without the permuted copy, the one-slot copy ring gives each copy new
+    #: memory with it.
     input_dist_after_forward: bool = False
     #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
     #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
@@ -380,17 +382,38 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
         self._late_input_dist = world > 1 and self.input_dist_after_forward
-        # the next batch's input dist, deferred by start_sparse_data_dist to its wait
-        self._late: tuple[In, TrainPipelineContext] | None = None
+        # the next batch's input dist, deferred by start_sparse_data_dist to its wait, with the
+        # memcpy stream's event after the batch's copy (None on CPU)
+        self._late: tuple[In, TrainPipelineContext, torch.cuda.Event | None] | None = None
 
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
         # from _pipeline_model); torchrec switches to data_dist inside.
         if (self._late_input_dist and batch is not None and self.contexts
                 and self.contexts[0] is not context):
-            self._late = (batch, context)  # started by its wait, after the forward of contexts[0]
+            # started by its wait, after the forward of contexts[0]; torchrec's progress()
+            # queues batch i+2's copy in between
+            copied = None if self._memcpy_stream is None else self._memcpy_stream.record_event()
+            self._late = (batch, context, copied)
             return
         self._start_input_dist(batch, context)
+
+    @contextmanager
+    def _copy_waited(self, batch: In, copied: torch.cuda.Event | None) -> Iterator[None]:
+        """Within the block, torchrec's start of ``batch``'s input dist makes data_dist wait
+        for ``copied`` (recorded on the memcpy stream after ``batch``'s copy), not for the
+        whole memcpy stream: a deferred start would wait for batch i+2's copy too (1 GiB on
+        the large config). Then, as torchrec does, ``batch`` is recorded on data_dist."""
+        if copied is None:
+            yield
+            return
+        self._data_dist_stream.wait_event(copied)
+        memcpy, self._memcpy_stream = self._memcpy_stream, None  # its wait_stream: a no-op
+        try:
+            yield
+        finally:
+            self._memcpy_stream = memcpy
+        batch.record_stream(self._data_dist_stream)
 
     def _start_input_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
@@ -671,8 +694,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         late, self._late = self._late, None
         if late is not None:  # (input_dist_after_forward)
-            assert late[1] is context, "recpipe: a deferred input dist waited out of order"
-            self._start_input_dist(*late)
+            batch, started, copied = late
+            assert started is context, "recpipe: a deferred input dist waited out of order"
+            with self._copy_waited(batch, copied):
+                self._start_input_dist(batch, context)
             self.stats.late_input_dists += 1
         permuted = self._permuted
         before = None  # data_dist waits for the permuted copy: after the splits' host read

@@ -8,6 +8,7 @@ ranks with ``RECPIPE_SHARED_GPU=1``: gloo).
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -200,6 +201,34 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
 def test_a_switch_with_a_value_it_does_not_take_is_named(name: str, value: object, expected: str) -> None:
     (message,) = run_ranks(1, _with_switch, name, value)
     assert message == expected
+
+
+class _Stream:
+    """Notes the events a stream is made to wait for, and the streams a batch is recorded on."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["starts", "start_raises"])
+def test_a_deferred_input_dist_waits_for_its_own_copy_only(fails: bool) -> None:
+    """``input_dist_after_forward``: the deferred start makes data_dist wait for the event of its
+    batch's copy; torchrec's wait for the whole memcpy stream (by then also holding batch
+    i+2's copy) sees no stream, and the stream comes back, also when the start raises."""
+    memcpy, data_dist, event = object(), _Stream(), object()
+    pipeline = SimpleNamespace(_memcpy_stream=memcpy, _data_dist_stream=data_dist)
+    batch = SimpleNamespace(record_stream=data_dist.waited.append)  # recorded on data_dist
+    seen = []
+    with pytest.raises(RuntimeError) if fails else nullcontext():
+        with TrainPipelineSparseDist._copy_waited(pipeline, batch, event):
+            seen.append(pipeline._memcpy_stream)
+            if fails:
+                raise RuntimeError("start")
+    assert seen == [None] and pipeline._memcpy_stream is memcpy
+    assert data_dist.waited == ([event] if fails else [event, data_dist])
 
 
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
