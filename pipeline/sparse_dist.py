@@ -402,8 +402,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def _copy_waited(self, batch: In, copied: torch.cuda.Event | None) -> Iterator[None]:
         """Within the block, torchrec's start of ``batch``'s input dist makes data_dist wait
         for ``copied`` (recorded on the memcpy stream after ``batch``'s copy), not for the
-        whole memcpy stream: a deferred start would wait for batch i+2's copy too (1 GiB on
-        the large config). Then, as torchrec does, ``batch`` is recorded on data_dist."""
+        whole memcpy stream: a deferred start would wait for batch i+2's copy too (with the
+        permuted copy, all of it but the planned KJT's values, which go on another stream).
+        Then, as torchrec does, ``batch`` is recorded on data_dist."""
         if copied is None:
             yield
             return
