@@ -6,8 +6,10 @@
 Each pipeline runs ``--repeats`` times, alternating (identical runs can differ by several ms and
 a few hundred MiB), each run in fresh processes (``torchrun``, so that no allocator
 state or model leaks from one run into the next): ``--warmup`` steps, then ``--steps`` timed
-steps. The data is made once per rank and cached under ``--data-dir``. Per step: CUDA events on the main stream around ``progress()``. Per
-run: peak allocated/reserved (``torch.cuda.max_memory_*``), allocator retries. The table (rank
+steps. The data is made once per rank and cached under ``--data-dir``. Per step: CUDA events on
+the main stream around ``progress()``, and the host's time in it and in its input-dist wait
+(where torchrec reads the splits). Per run: peak allocated/reserved
+(``torch.cuda.max_memory_*``), allocator retries. The table (rank
 0's numbers) shows medians over the runs with min-max; losses of every run are checked equal
 across pipelines. The title gives the bytes of one batch's permuted KJTs on this rank (the input
 KJTs, all features kept). With ``--time-limit``, no run starts that would end after the limit
@@ -52,8 +54,30 @@ def kjt_bytes(batch) -> int:
     return sum(kjt_nbytes(kjt) for kjt in batch.sparse.values())
 
 
+def timed_calls(obj: object, name: str) -> list[float] | None:
+    """Seconds of host time of each call of ``obj.name`` (an instance attribute that shadows
+    the method, so that the object's own calls are timed too), in the returned list; None
+    where ``obj`` has no such method."""
+    method, seconds = getattr(obj, name, None), []
+    if method is None:
+        return None
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+    return seconds
+
+
 def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> dict:
-    """One pipeline on a fresh model for ``warmup + steps`` steps: per-step ms, losses, memory.
+    """One pipeline on a fresh model for ``warmup + steps`` steps: per-step ms, losses, memory,
+    and the host's ms per step: in ``progress()`` (not synced: the host may run ahead of the
+    device) and in the input dist's wait (``wait_sparse_data_dist``, where torchrec's host
+    reads the splits, so waits for data_dist's work queued before them).
     ``prof``: a torch.profiler.profile with a schedule, stepped once per step."""
     cuda = device.type == "cuda"
     dense = DENSE_ALLREDUCE.get(name)
@@ -61,22 +85,27 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
                                      data_parallel=dense() if dense else None)
     pipeline = PIPELINES[name](model, optimizer, device)
     it = iter(islice(cycle(data), warmup + steps))
-    losses, times, allocated, reserved = [], [], [], []
+    losses, times, allocated, reserved, host_ms, wait_ms = [], [], [], [], [], []
+    waits = timed_calls(pipeline, "wait_sparse_data_dist")
     if prof is not None:
         prof.start()
     for step in range(warmup + steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), len(waits or ())
         loss, _, _ = pipeline.progress(it)
+        host = time.perf_counter() - t0
         if cuda:
             end.record()
             allocated.append(torch.cuda.memory_allocated())
             reserved.append(torch.cuda.memory_reserved() / 2**20)
         losses.append(loss)
         if step >= warmup:
-            times.append((start, end) if cuda else time.perf_counter() - t0)
+            times.append((start, end) if cuda else host)
+            host_ms.append(host * 1e3)
+            if waits is not None:
+                wait_ms.append(sum(waits[waited:]) * 1e3)
         if prof is not None:
             prof.step()
     if prof is not None:
@@ -86,7 +115,8 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     seen = (stats.seen if stats is not None else 0) / (warmup + steps)
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
-                    reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0, seen=seen)
+                    reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0, seen=seen,
+                    host_ms=host_ms, wait_ms=wait_ms)
     torch.cuda.synchronize()
     mid = warmup + steps // 2
     return dict(
@@ -94,6 +124,8 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         seen=seen,
         ring_replaced=getattr(pipeline, "ring_replaced", 0),
         ms=[s.elapsed_time(e) for s, e in times],
+        host_ms=host_ms,
+        wait_ms=wait_ms,
         losses=[x.item() for x in losses],
         alloc=torch.cuda.max_memory_allocated() / 2**20,
         reserved=torch.cuda.max_memory_reserved() / 2**20,
@@ -176,6 +208,17 @@ def fmt(xs: list[float], spec: str = ".0f") -> str:
     return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}-{max(xs):{spec}})"
 
 
+def _host(rs: list[dict]) -> str:
+    """The runs' median host ms per step, then in the input dist's wait ("-": not measured,
+    or the pipeline has no such wait)."""
+    if not all(x.get("host_ms") for x in rs):
+        return "-"
+    host = fmt([statistics.median(x["host_ms"]) for x in rs], ".1f")
+    if not all(x.get("wait_ms") for x in rs):
+        return f"{host} (-)"
+    return f"{host} ({statistics.median(statistics.median(x['wait_ms']) for x in rs):.1f})"
+
+
 def _runs_title(names: list[str], runs: dict[str, list[dict]]) -> str:
     """"5 alternating runs", or each pipeline's count where a time limit cut them short."""
     counts = [len(runs[n]) for n in names]
@@ -193,8 +236,9 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
         f"(after {a.warmup} warm-up){', deterministic algorithms' if a.deterministic else ''}; "
         f"one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
         "| pipeline | ms/iter P50 | ms/iter P90 | samples/s | peak alloc MiB | peak reserved MiB | "
-        "pipelining tax removed | alloc retries | alloc growth MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "pipelining tax removed | alloc retries | alloc growth MiB | host ms/step P50 "
+        "(in the input dist's wait) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     removed = tax_removed(runs)
     samples = config(a).batch_size * first["world"]  # per step, all ranks
@@ -207,7 +251,7 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
             f"{fmt([x['alloc'] for x in rs])} | "
             f"{fmt([x['reserved'] for x in rs])} | {removed.get(name, '-')} | "
             f"{max(x['retries'] for x in rs)} | "
-            f"{fmt([x['growth'] for x in rs], '+.1f')} |"
+            f"{fmt([x['growth'] for x in rs], '+.1f')} | {_host(rs)} |"
         )
     ref = runs[names[0]][0]["losses"]
     same = all(run["losses"] == ref for n in names for run in runs[n])

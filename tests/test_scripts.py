@@ -75,6 +75,8 @@ def test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant(tmp_path:
     runs = json.loads(out.read_text())["runs"]
     assert list(runs) == names
     assert all(len(rs[0]["ms"]) == 3 for rs in runs.values())
+    host, wait = runs["torchrec"][0]["host_ms"], runs["torchrec"][0]["wait_ms"]
+    assert len(host) == len(wait) == 3 and 0 < sum(wait) < sum(host)  # the input dist's wait
     plane = subprocess.run([sys.executable, str(SCRIPTS / "plot_pareto.py"), str(out), "--plot",
                             str(tmp_path / "p.png")], capture_output=True, text=True, timeout=120)
     assert plane.returncode == 0, plane.stderr
