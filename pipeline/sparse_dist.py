@@ -24,7 +24,8 @@ where the two permutes of the sparse input distribution write (docs/design.md):
   the end of its own ``wait_sparse_data_dist``), after data_dist waited for the all-to-all
   (:meth:`TrainPipelineSparseDist._release_sent_inputs`).
 - The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
-  dists are queued, as torchrec >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
+  dists are queued (with the split permute, after the batch's input-dist wait), as torchrec
+  >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
   and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
 - The copies of those inputs (``copy_ring``, CUDA): into a pipeline-owned
   :class:`~recpipe.pipeline.buffers.CopyRing` of one slot (``copy_ring_depth``), written again
@@ -129,7 +130,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     """torchrec's ``TrainPipelineSparseDist``, with the sparse permutes' outputs in memory that
     the allocator can reuse on time (see the module docstring). Same arguments and behaviour;
     the arguments are torchrec's (``free_features_storage_early`` and ``clear_data_dist_inputs``
-    need torchrec >= 1.7).
+    are not in torchrec 1.6, ``async_inplace_copy`` needs 1.9).
     """
 
     #: P1 ring slots, one per batch in flight (host ahead of the GPU: the batch whose step is
@@ -159,7 +160,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: ms/iter on 1 H100 (large config), for 0.7x one batch's KJTs once inputs are freed early.
     inplace_copy_batch: bool = False
     #: Free the storage of each input KJT that an input dist permuted (P1), once the batch's
-    #: input dists are queued: torchrec >= 1.7's ``free_features_storage_early``, on every
+    #: input dists are queued (with the split permute: at the end of the batch's
+    #: ``wait_sparse_data_dist``): torchrec >= 1.7's ``free_features_storage_early``, on every
     #: version, for the tensors of the pipeline's own copy only (never a user's). Needs
     #: a model whose forward reads the sparse features only through the pipelined (sharded)
     #: modules, as torchrec's option does.
@@ -404,17 +406,18 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         for ``copied`` (recorded on the memcpy stream after ``batch``'s copy), not for the
         whole memcpy stream: a deferred start would wait for batch i+2's copy too (with the
         permuted copy, all of it but the planned KJT's values, which go on another stream).
-        Then, as torchrec does, ``batch`` is recorded on data_dist."""
+        As torchrec does, ``batch`` is recorded on data_dist first: ``free_inputs_early``
+        gives its storages back inside the block."""
         if copied is None:
             yield
             return
         self._data_dist_stream.wait_event(copied)
+        batch.record_stream(self._data_dist_stream)
         memcpy, self._memcpy_stream = self._memcpy_stream, None  # its wait_stream: a no-op
         try:
             yield
         finally:
             self._memcpy_stream = memcpy
-        batch.record_stream(self._data_dist_stream)
 
     def _start_input_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:

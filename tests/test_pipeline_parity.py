@@ -216,19 +216,21 @@ class _Stream:
 @pytest.mark.parametrize("fails", [False, True], ids=["starts", "start_raises"])
 def test_a_deferred_input_dist_waits_for_its_own_copy_only(fails: bool) -> None:
     """``input_dist_after_forward``: the deferred start makes data_dist wait for the event of its
-    batch's copy; torchrec's wait for the whole memcpy stream (by then also holding batch
-    i+2's copy) sees no stream, and the stream comes back, also when the start raises."""
+    batch's copy and records the batch on data_dist, both before the start (whose early free
+    gives the batch's storages back); torchrec's wait for the whole memcpy stream (by then
+    also holding batch i+2's copy) sees no stream, and the stream comes back, also when the
+    start raises."""
     memcpy, data_dist, event = object(), _Stream(), object()
     pipeline = SimpleNamespace(_memcpy_stream=memcpy, _data_dist_stream=data_dist)
     batch = SimpleNamespace(record_stream=data_dist.waited.append)  # recorded on data_dist
     seen = []
     with pytest.raises(RuntimeError) if fails else nullcontext():
         with TrainPipelineSparseDist._copy_waited(pipeline, batch, event):
-            seen.append(pipeline._memcpy_stream)
+            seen.append((pipeline._memcpy_stream, list(data_dist.waited)))
             if fails:
                 raise RuntimeError("start")
-    assert seen == [None] and pipeline._memcpy_stream is memcpy
-    assert data_dist.waited == ([event] if fails else [event, data_dist])
+    assert seen == [(None, [event, data_dist])] and pipeline._memcpy_stream is memcpy
+    assert data_dist.waited == [event, data_dist]
 
 
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
