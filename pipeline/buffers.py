@@ -298,6 +298,13 @@ class BufferRing:
             event.record(self._main)
             slot.released = event
 
+    def forget_owners(self) -> None:
+        """The pipeline dropped its batches and numbers them from 0 again (torchrec's
+        ``reset``): a batch whose index equals a slot's last owner's must still wait for that
+        owner's release (or, never released, for main's queued work)."""
+        for slot in self._slots:
+            slot.owner = None
+
     def drop_done(self) -> None:
         """Give back the memory of every slot whose last use is done: released, and its event
         on main completed (``query``: never waits). For a pipeline that stopped using the ring;

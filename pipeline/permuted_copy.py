@@ -231,6 +231,13 @@ class PermutedCopy:
 
         return run
 
+    def exclude(self, values: torch.Tensor) -> None:
+        """A KJT with these values is also sent as it is (an input dist that did not permute
+        it): never planned, since that all-to-all would send the values in another P1's
+        order."""
+        if self.planning:
+            self._candidates[values.data_ptr()] = None
+
     def learned(self, index: int, reader: torch.cuda.Stream | None) -> None:
         """End of batch ``index``'s P1 calls (queued on ``reader``): plan the largest KJT that
         one plannable P1 permuted whole, if any (once). The slot takes over the memory of its

@@ -367,6 +367,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._copy_ring_on_side = split and self.copy_ring_depth == 1
         self._copy_ring = CopyRing(depth=self.copy_ring_depth)
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
+        self._sent_whole: list[KeyedJaggedTensor] = []  # input KJTs an input dist did not permute
         self._kjt_type = redirecting_kjt_type(
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
             self._permuted_inputs.append,
@@ -451,13 +452,20 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._input_dist_runner = permuted.runner(
                 context.index, inner, self._copied.get(context.index, [])
             )
-        with self._input_dists_redirected():
-            super().start_sparse_data_dist(batch, context)
-        inputs, self._permuted_inputs[:] = list(self._permuted_inputs), []
+        try:
+            with self._input_dists_redirected():
+                super().start_sparse_data_dist(batch, context)
+            whole = {id(k): k for k in self._sent_whole}
+            inputs = [k for k in self._permuted_inputs if id(k) not in whole]
+        finally:  # (also when an input dist raised: not the next batch's)
+            self._permuted_inputs.clear()
+            self._sent_whole.clear()
         free = self._free_inputs  # this batch's, whatever the decision says of the next ones
         if self.redirecting is None or self._sizes_undecided:
             self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
         if self._permuted is not None:
+            for kjt in whole.values():
+                self._permuted.exclude(kjt.values())
             self._permuted.check(context.index)
             self._permuted.learned(context.index, self._data_dist_stream)
         if not free:
@@ -678,7 +686,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         modules = list(self._pipelined_modules)
         for module in modules:
             vars(module)["input_dist"] = _with_kjt_type(
-                module.input_dist, self._kjt_type, self._plannable(module)
+                module.input_dist, self._kjt_type, self._permuted_inputs, self._sent_whole,
+                self._plannable(module),
             )
         try:
             yield
@@ -741,6 +750,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         """torchrec's ``reset`` (its batches dropped, batch indices from 0 again), and recpipe's
         state kept per batch index."""
         super().reset()
+        self._ring.forget_owners()
         self._late = None
         for kept in (self._copied, self._received, self._releasable, self._learned_from):
             kept.clear()
@@ -840,17 +850,25 @@ def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
 
 def _with_kjt_type(
     input_dist: Callable[..., Awaitable], kjt_type: type[KeyedJaggedTensor],
+    permuted: list[KeyedJaggedTensor], sent_whole: list[KeyedJaggedTensor],
     before: Callable[[], None] | None = None,
 ) -> Callable[..., Awaitable]:
     """``input_dist`` with its plain-KJT arguments of class ``kjt_type`` during the call;
-    ``before()`` first."""
+    ``before()`` first. ``permuted``: where ``kjt_type`` notes the KJTs it permuted (P1); an
+    argument that this input dist did not permute goes to ``sent_whole``: its all-to-all sends
+    the KJT's own tensors (features already in the module's order), so another module's P1
+    of that KJT must not free it early, nor the permuted copy reorder it."""
 
     def redirected(ctx: Any, *args: Any, **kwargs: Any) -> Awaitable:
         kjts = [a for a in (*args, *kwargs.values()) if type(a) is KeyedJaggedTensor]
         if before is not None:
             before()
+        seen = len(permuted)
         with as_type(kjts, kjt_type):
-            return input_dist(ctx, *args, **kwargs)
+            out = input_dist(ctx, *args, **kwargs)
+        done = {id(k) for k in permuted[seen:]}
+        sent_whole.extend(k for k in kjts if id(k) not in done)
+        return out
 
     return redirected
 

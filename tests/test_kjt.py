@@ -10,11 +10,13 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.kjt import (
-    PermuteInto, PermuteSpec, allocate, kjt_permute_spec, permute_kjt, write_into,
+    PermuteInto, PermuteSpec, RedirectStats, allocate, kjt_permute_spec, permute_kjt,
+    redirecting_kjt_type, write_into,
 )
 from recpipe.pipeline.buffers import (
     AllToAllOutputs, BufferRing, CopyRing, HighWater, main_stream_allocator, padded_allocator,
 )
+from recpipe.pipeline.sparse_dist import _with_kjt_type
 
 
 def _kjt(weighted: bool = True, seed: int = 0) -> KeyedJaggedTensor:
@@ -116,6 +118,23 @@ def test_ring_reuses_slots_per_batch_and_grows_when_needed() -> None:
     a, b = alloc5(spec_small), alloc5(spec_small)  # two permutes of one batch: two buffers
     assert a.values.data_ptr() != b.values.data_ptr()
     assert ring.replaced == 0
+
+
+def test_ring_after_a_reset_waits_for_the_last_owner_of_the_same_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrec's ``reset`` numbers batches from 0 again: a new batch 0 must wait for the
+    release of the dropped batch 0 in its slot, as any later owner does."""
+    ring = BufferRing(main=None, depth=2)
+    waited: list[object] = []
+    monkeypatch.setattr(ring, "_wait_released", lambda slot: waited.append(slot.released))
+    spec = kjt_permute_spec(_kjt(seed=1), [0, 1, 2, 3])
+    ring.allocator(0)(spec)  # batch 0, dropped before its release
+    ring.allocator(0)(spec)  # the same batch again (a second call of its input dist)
+    assert waited == [True]  # (the first owner's: the slot was new)
+    ring.forget_owners()
+    ring.allocator(0)(spec)
+    assert waited == [True, False]  # never released: the ring orders it after main's work
 
 
 def test_ring_never_overwrites_a_result_still_held() -> None:
@@ -290,3 +309,26 @@ def test_sized_allocations_repeat_per_site() -> None:
             other = torch.empty(4, 2, device="cpu")  # not torchrec's form for them: as is
         assert out.shape == (n,) and out.untyped_storage().nbytes() == 650 * 8 and mode.made == 1
         assert other.untyped_storage().nbytes() == 4 * 2 * 4
+
+
+def test_an_input_dist_that_sends_a_kjt_unpermuted_marks_it_sent_whole() -> None:
+    """Two modules' input dists over one KJT: one permutes it (P1), the other sends the KJT's
+    own tensors (its features already in order). The KJT is then sent whole, so the pipeline
+    neither frees it early nor plans its permuted copy."""
+    permuted: list[KeyedJaggedTensor] = []
+    sent_whole: list[KeyedJaggedTensor] = []
+    kjt_type = redirecting_kjt_type(lambda: None, lambda: None, RedirectStats(), permuted.append)
+    shared, other = _kjt(seed=1), _kjt(seed=2)
+
+    def permuting(ctx: object, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return features.permute([3, 2, 1, 0])
+
+    def in_order(ctx: object, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return features
+
+    _with_kjt_type(permuting, kjt_type, permuted, sent_whole)(None, shared)
+    _with_kjt_type(permuting, kjt_type, permuted, sent_whole)(None, other)
+    assert [id(k) for k in permuted] == [id(shared), id(other)] and sent_whole == []
+    _with_kjt_type(in_order, kjt_type, permuted, sent_whole)(None, shared)
+    assert [id(k) for k in sent_whole] == [id(shared)]
+    assert type(shared) is KeyedJaggedTensor  # its class back after the call
