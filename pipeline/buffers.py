@@ -137,9 +137,9 @@ class AllToAllOutputs(TorchFunctionMode):
 
     Contract with ``keep``: the caller keeps it until main has waited on the stream that reads
     the tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes
-    main wait on data_dist after it), and calls nothing in the block after the first allocation
-    that syncs the host with the current stream (the event makes the current stream wait for
-    all of main's queued work). ``before()`` runs once, before the first output is made: after
+    main wait on data_dist after it). Anything in the block after the first allocation that
+    syncs the host with the current stream waits for all of main's queued work (the event):
+    torchrec's ``_get_recat`` does, for each further sharding group. ``before()`` runs once, before the first output is made: after
     the host's read of the first fused splits all-to-all, before any tensor all-to-all is
     queued (or on exit, if none was)."""
 

@@ -201,9 +201,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
     #: on the main stream (:class:`~recpipe.pipeline.buffers.AllToAllOutputs`), so that they come
     #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
-    #: queued work (the forward of the batch in compute). Needs one fused splits all-to-all
-    #: per step (torchrec fuses those of one process group), else the host would wait for main.
-    #: Off: on 2 H100s (large config, table-/row-wise, 1 run) main's pool grew by more than
+    #: queued work (the forward of the batch in compute). The host then waits for main at
+    #: each further sharding group: torchrec makes the group's recat on the device with a
+    #: blocking copy on data_dist (``_get_recat``), after the first output's wait. Off: on 2 H100s (large config, table-/row-wise, 1 run) main's pool grew by more than
     #: data_dist's shrank: 996 MiB more peak reserved, 1.01x the step time.
     all_to_all_outputs_on_main: bool = False
     #: World size > 1: size P2's outputs (main-stream memory, read by the embedding lookups
@@ -229,8 +229,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: row-wise tables, and off with ``stable_sizes`` below ``min_batch_bytes``; True also
     #: with other plans (table-row-wise, grid) and on CPU (the tests). The host's splits read
     #: does not wait for the copy with one fused splits all-to-all per step (one process group)
-    #: and pinned host batches. A row-wise group bucketizes the values before that read, so
-    #: there the read waits for the copy: measured on 2 H200s (large config, table-/row-wise,
+    #: and pinned host batches; a second sharding group's recat (torchrec's blocking copy on
+    #: data_dist, ``_get_recat``) does, for the copy queued a step earlier. A row-wise group
+    #: bucketizes the values before that read, so there the read waits for the copy: measured on 2 H200s (large config, table-/row-wise,
     #: 2 alternating runs) at 0.999x torchrec's ms/iter and 15214 MiB peak reserved per rank,
     #: against 1.002x and 16272 MiB without it.
     permuted_copy: bool | None = None
