@@ -292,6 +292,33 @@ def build_sharded(
     torchrec's DDP). ``topology``: the planner's (default: :func:`recpipe.pipeline.topology.
     planner_topology` of this job's node layout and default bandwidths). Deterministic in
     ``seed``."""
+    torch.manual_seed(seed)
+    # GPU: the tables on the meta device (torchrec's advice for large tables), so that no
+    # unsharded copy outlives sharding (torch's optimizer-in-backward maps would keep it:
+    # about 3 GiB per rank on the bench's large config). CPU: as before, so that the CPU
+    # losses and checkpoints stay those of earlier versions.
+    model = Model(spec, device, torch.device("meta") if device.type == "cuda" else None)
+    tables = [spec.tables(module) for module in spec.modules()]
+    return shard(model, model.sparse_arch, tables, sharding_types, device, pg, lr, optimizer,
+                 data_parallel, topology)
+
+
+def shard(
+    model: nn.Module,
+    sparse: nn.Module,
+    tables: list[list[str]],
+    sharding_types: list[str],
+    device: torch.device,
+    pg: "torch.distributed.ProcessGroup",
+    lr: float = 0.05,
+    optimizer: str = "sgd",
+    data_parallel: object | None = None,
+    topology: "Topology | None" = None,  # noqa: F821 (torchrec's planner type)
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``DistributedModelParallel(model)``, as :func:`build_sharded` makes it: table ``i`` of
+    each list of ``tables`` (one per sparse module, in ``sparse``) sharded as
+    ``sharding_types[i % len(sharding_types)]``, ``optimizer`` fused into ``sparse``'s
+    backward and on the dense part."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -303,17 +330,11 @@ def build_sharded(
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     opt_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[optimizer]
-    torch.manual_seed(seed)
-    # GPU: the tables on the meta device (torchrec's advice for large tables), so that no
-    # unsharded copy outlives sharding (torch's optimizer-in-backward maps would keep it:
-    # about 3 GiB per rank on the bench's large config). CPU: as before, so that the CPU
-    # losses and checkpoints stay those of earlier versions.
-    model = Model(spec, device, torch.device("meta") if device.type == "cuda" else None)
-    apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), {"lr": lr})
+    apply_optimizer_in_backward(opt_cls, sparse.parameters(), {"lr": lr})
     constraints = {
         table: ParameterConstraints(sharding_types=[sharding_types[i % len(sharding_types)]])
-        for module in spec.modules()
-        for i, table in enumerate(spec.tables(module))
+        for names in tables
+        for i, table in enumerate(names)
     }
     if topology is None:
         topology = planner_topology(node_layout(pg.size()), device)

@@ -14,13 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from dist_utils import run_ranks
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 
 from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.testing.launch import SHARED_GPU_ENV, rank_backend_device
 from recpipe.pipeline.sparse_dist import _bucketized
-from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
+from recpipe.testing.synthetic import ModelSpec, batches, build_sharded, shard
 
 STEPS = 16
 EMPTY_AT = 7  # one batch without any ids
@@ -438,6 +440,60 @@ def _train_with_reset(rank: int, world: int, device: torch.device) -> dict:
         if name == "recpipe":
             out["permuted_copies"] = pipeline.stats.permuted_copies
     return out
+
+
+class _SharedKJTModel(nn.Module):
+    """Two EmbeddingBagCollections over the one ``ebc`` KJT, of one table each that all its
+    features share: ``ordered`` takes them in the KJT's order (its input dist sends the KJT's
+    own tensors), ``reversed`` in reverse (its input dist permutes the KJT)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        super().__init__()
+        features = spec.features("ebc")
+        self.sparse = nn.ModuleDict({
+            name: EmbeddingBagCollection(
+                [EmbeddingBagConfig(name=name, embedding_dim=spec.dim, num_embeddings=spec.rows,
+                                    feature_names=order)],
+                device=device,
+            )
+            for name, order in (("ordered", features), ("reversed", features[::-1]))
+        })
+        self.head = nn.Linear(2 * spec.dim * len(features) + spec.dense_in, 1, device=device)
+
+    def tables(self) -> list[list[str]]:
+        return [[c.name for c in bags.embedding_bag_configs()] for bags in self.sparse.values()]
+
+    def forward(self, batch: object) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        kjt = batch.sparse["ebc"]
+        pooled = [bags(kjt).values() for bags in self.sparse.values()]
+        logits = self.head(torch.cat([*pooled, batch.dense], dim=1)).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def _train_shared_kjt(rank: int, world: int, device: torch.device) -> dict:
+    spec = ModelSpec(weighted=False, sequence=False)
+    out = {}
+    for name, cls in (("torchrec", TorchrecPipeline), ("recpipe", PermutedCopyPipeline)):
+        torch.manual_seed(1)
+        model = _SharedKJTModel(spec, device)
+        dmp, optimizer = shard(model, model.sparse, model.tables(), ["table_wise"], device,
+                               torch.distributed.group.WORLD)
+        pipeline = cls(dmp, optimizer, device)
+        it = batches(spec, STEPS, rank, seed=2)
+        out[name] = [pipeline.progress(it)[0].item() for _ in range(STEPS)]
+        if name == "recpipe":
+            out["redirected"] = asdict(pipeline.stats)
+    return out
+
+
+def test_a_kjt_that_one_module_permutes_and_another_sends_as_it_is() -> None:
+    """The permuted copy plans no KJT that another module's all-to-all sends as it is (that
+    module would get the values in the other's order): losses stay torchrec's."""
+    for r in run_ranks(2, _train_shared_kjt):
+        assert r["recpipe"] == r["torchrec"], r
+        assert r["redirected"]["input_dist"] == STEPS  # P1: the reversed module's alone
+        assert r["redirected"]["permuted_copies"] == 0
 
 
 @pytest.mark.skipif(not hasattr(TorchrecPipeline, "reset"), reason="torchrec without reset()")
