@@ -456,14 +456,16 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         try:
             with self._input_dists_redirected():
                 super().start_sparse_data_dist(batch, context)
+            noted = list(self._permuted_inputs)  # P1's inputs
             whole = {id(k): k for k in self._sent_whole}
-            inputs = [k for k in self._permuted_inputs if id(k) not in whole]
         finally:  # (also when an input dist raised: not the next batch's)
             self._permuted_inputs.clear()
             self._sent_whole.clear()
         free = self._free_inputs  # this batch's, whatever the decision says of the next ones
         if self.redirecting is None or self._sizes_undecided:
-            self._decide(_nbytes({id(k): k for k in inputs}.values()), sizes=bool(inputs))
+            self._decide(_nbytes({id(k): k for k in noted}.values()), sizes=bool(noted))
+        # an input KJT that another input dist sends as it is: neither freed nor planned
+        inputs = [k for k in noted if id(k) not in whole]
         if self._permuted is not None:
             for kjt in whole.values():
                 self._permuted.exclude(kjt.values())
@@ -590,8 +592,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._copied[context.index] = made
             executor = async_copy_executor(self) if inplace else None
             if executor is not None:  # the worker allocates on this thread's current stream
-                consumer = torch.cuda.current_stream(self._device)
-                return executor.submit(self._copy_on, consumer, batch, made), context
+                consumer = torch.cuda.current_stream(self._device)  # (streams read here: a
+                # deferred input dist's start hides the memcpy stream while the worker runs)
+                return executor.submit(
+                    self._copy_on, consumer, self._memcpy_stream, batch, made
+                ), context
             into = None
             if self._permuted is not None and not inplace:
                 into = self._permuted.destination(context.index)
@@ -604,10 +609,14 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             raise StopIteration
         return batch, context
 
-    def _copy_on(self, consumer: torch.cuda.Stream, batch: In, made: list[torch.Tensor]) -> In:
-        """The in-place copy of ``batch`` with ``consumer`` current (async worker thread)."""
+    def _copy_on(
+        self, consumer: torch.cuda.Stream, memcpy: torch.cuda.Stream, batch: In,
+        made: list[torch.Tensor],
+    ) -> In:
+        """The in-place copy of ``batch`` on ``memcpy`` with ``consumer`` current (async worker
+        thread)."""
         with torch.cuda.stream(consumer):
-            return copy_batch(batch, self._device, self._memcpy_stream, made, inplace=True)
+            return copy_batch(batch, self._device, memcpy, made, inplace=True)
 
     def _release_sent_inputs(self, context: TrainPipelineContext) -> None:
         """Give back what batch ``context``'s all-to-alls sent (the feature-permuted KJT, a
