@@ -235,6 +235,24 @@ def test_a_deferred_input_dist_waits_for_its_own_copy_only(fails: bool) -> None:
     assert data_dist.waited == [event, data_dist]
 
 
+def test_a_deferred_input_dist_notes_the_memcpy_event_of_its_batch() -> None:
+    """``input_dist_after_forward``: torchrec's start of batch i+1 (before batch i+2's copy is
+    queued) only notes the batch, with an event recorded on the memcpy stream then; the first
+    batch (the one in compute) starts at once."""
+    event = object()
+    memcpy = SimpleNamespace(record_event=lambda: event)
+    started = []
+    current, following = SimpleNamespace(index=0), SimpleNamespace(index=1)
+    pipeline = SimpleNamespace(
+        _late_input_dist=True, contexts=[current, following], _memcpy_stream=memcpy, _late=None,
+        _start_input_dist=lambda batch, context: started.append(context),
+    )
+    TrainPipelineSparseDist.start_sparse_data_dist(pipeline, "batch 1", following)
+    assert pipeline._late == ("batch 1", following, event) and started == []
+    TrainPipelineSparseDist.start_sparse_data_dist(pipeline, "batch 0", current)
+    assert started == [current]
+
+
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
     """``split_input_dist_permute = False``: the whole P1 into the depth-3 ring."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, WholePermutePipeline)
