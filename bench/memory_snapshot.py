@@ -503,11 +503,12 @@ def _free_gaps(seg: _Segment, live: Sequence[Allocation]) -> int:
 
 
 def _held(
-    i: int, need: int, segments: Sequence[_Segment], live: Sequence[Allocation],
+    need: int, segments: Sequence[_Segment], live: Sequence[Allocation],
     packages: Sequence[str], depth: int,
 ) -> tuple[int, str]:
-    """The largest free gap among ``segments`` at trace event ``i``, and for each segment at
-    least ``need`` bytes large, its live blocks (largest 3: MiB and where allocated)."""
+    """The largest free gap among ``segments`` with the blocks ``live`` in them, and for each
+    segment at least ``need`` bytes large, its live blocks (largest 3: MiB and where
+    allocated)."""
     largest, held = 0, []
     for seg in sorted(segments, key=lambda g: -g.size):
         inside = [a for a in live if seg.addr <= a.addr < seg.addr + seg.size]
@@ -549,7 +550,7 @@ def growth(
         active = sum(a.size for a in live)
         have = reserved.get(stream, 0)
         pool = [g for g in segments if g.stream == stream and g.start < i < g.end]
-        largest, held = _held(i, int(need.get("size", 0)), pool, live, packages, depth)
+        largest, held = _held(int(need.get("size", 0)), pool, live, packages, depth)
         out.append(Growth(i, names.get(stream, hex(stream)), size, int(need.get("size", 0)),
                           signature(need.get("frames") or (), packages, depth),
                           str(need.get("user_metadata") or ""),

@@ -139,9 +139,9 @@ class AllToAllOutputs(TorchFunctionMode):
     the tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes
     main wait on data_dist after it). Anything in the block after the first allocation that
     syncs the host with the current stream waits for all of main's queued work (the event):
-    torchrec's ``_get_recat`` does, for each further sharding group. ``before()`` runs once, before the first output is made: after
-    the host's read of the first fused splits all-to-all, before any tensor all-to-all is
-    queued (or on exit, if none was)."""
+    torchrec's ``_get_recat`` does, for each further sharding group. ``before()`` runs once,
+    before the first output is made: after the host's read of the first fused splits
+    all-to-all, before any tensor all-to-all is queued (or on exit, if none was)."""
 
     def __init__(
         self, sizes: HighWater | None, device: torch.device,

@@ -25,8 +25,8 @@ _PIPELINE_PARAMS = inspect.signature(TrainPipelineSparseDist.__init__).parameter
 def pipeline_options(**options: Any) -> dict[str, Any]:
     """The keyword arguments of torchrec's ``TrainPipelineSparseDist`` that the installed
     torchrec takes: an option it lacks (``free_features_storage_early``,
-    ``clear_data_dist_inputs``: not in torchrec 1.6; ``async_inplace_copy``: >= 1.9) is dropped at its
-    default (False) and refused otherwise."""
+    ``clear_data_dist_inputs``: not in torchrec 1.6; ``async_inplace_copy``: >= 1.9) is dropped
+    at its default (False) and refused otherwise."""
     for name, value in options.items():
         if name not in _PIPELINE_PARAMS and value:
             raise TypeError(

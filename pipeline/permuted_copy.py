@@ -354,4 +354,3 @@ def _fresh(k: int, src: torch.Tensor) -> None:
 def _on(stream: torch.cuda.Stream | None):
     """``stream`` current in the block (nothing on CPU)."""
     return nullcontext() if stream is None else torch.cuda.stream(stream)
-

@@ -203,8 +203,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
     #: queued work (the forward of the batch in compute). The host then waits for main at
     #: each further sharding group: torchrec makes the group's recat on the device with a
-    #: blocking copy on data_dist (``_get_recat``), after the first output's wait. Off: on 2 H100s (large config, table-/row-wise, 1 run) main's pool grew by more than
-    #: data_dist's shrank: 996 MiB more peak reserved, 1.01x the step time.
+    #: blocking copy on data_dist (``_get_recat``), after the first output's wait. Off: on 2
+    #: H100s (large config, table-/row-wise, 1 run) main's pool grew by more than data_dist's
+    #: shrank: 996 MiB more peak reserved, 1.01x the step time.
     all_to_all_outputs_on_main: bool = False
     #: World size > 1: size P2's outputs (main-stream memory, read by the embedding lookups
     #: through backward) to their high-water mark per module (:class:`HighWater`), as
@@ -231,9 +232,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: does not wait for the copy with one fused splits all-to-all per step (one process group)
     #: and pinned host batches; a second sharding group's recat (torchrec's blocking copy on
     #: data_dist, ``_get_recat``) does, for the copy queued a step earlier. A row-wise group
-    #: bucketizes the values before that read, so there the read waits for the copy: measured on 2 H200s (large config, table-/row-wise,
-    #: 2 alternating runs) at 0.999x torchrec's ms/iter and 15214 MiB peak reserved per rank,
-    #: against 1.002x and 16272 MiB without it.
+    #: bucketizes the values before that read, so there the read waits for the copy: measured
+    #: on 2 H200s (large config, table-/row-wise, 2 alternating runs) at 0.999x torchrec's
+    #: ms/iter and 15214 MiB peak reserved per rank, against 1.002x and 16272 MiB without it.
     permuted_copy: bool | None = None
     #: World size > 1: start batch i+1's input dist (P1, a row-wise group's bucketize, the
     #: splits all-to-all) after the forward of batch i has been queued, right before its wait
@@ -457,7 +458,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             with self._input_dists_redirected():
                 super().start_sparse_data_dist(batch, context)
             noted = list(self._permuted_inputs)  # P1's inputs
-            whole = {id(k): k for k in self._sent_whole}
+            whole = {id(k) for k in self._sent_whole}
         finally:  # (also when an input dist raised: not the next batch's)
             self._permuted_inputs.clear()
             self._sent_whole.clear()
@@ -467,8 +468,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # an input KJT that another input dist sends as it is: neither freed nor planned
         inputs = [k for k in noted if id(k) not in whole]
         if self._permuted is not None:
-            for kjt in whole.values():
-                self._permuted.exclude(kjt.values())
+            for kjt in noted:
+                if id(kjt) in whole:
+                    self._permuted.exclude(kjt.values())
             self._permuted.check(context.index)
             self._permuted.learned(context.index, self._data_dist_stream)
         if not free:

@@ -47,4 +47,3 @@ def test_slot_tensors_are_views_of_the_slot_memory() -> None:
     assert whole is not None and whole._is_view() and whole.numel() == 40
     assert whole.data_ptr() == padded.data_ptr()
     assert whole_view(torch.arange(8)[2:]) is None  # not from the storage's start
-
