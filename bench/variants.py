@@ -1,5 +1,5 @@
 """The pipelines a benchmark can run, by name, each built only from public switches (torchrec's
-constructor options, recpipe's class attributes): ``PIPELINES[name](model, optimizer, device)``.
+constructor options, recpipe's ``memory_plan`` and ``min_batch_bytes``): ``PIPELINES[name](model, optimizer, device)``.
 
 Anchors: ``torchrec`` (``TrainPipelineSparseDist``, the time anchor), ``torchrec_base``
 (``TrainPipelineBase``: no overlap, the memory floor), ``torchrec_lite``
@@ -19,13 +19,17 @@ from torchrec.distributed.train_pipeline import TrainPipelineBase
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
 
+from recpipe.pipeline import MemoryPlan
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
 from recpipe.pipeline.data_parallel import BucketedAllReduce
 
 
-def _variant(name: str, **switches: object) -> type[RecpipePipeline]:
-    """recpipe's pipeline with class attributes ``switches`` set."""
-    return type(name, (RecpipePipeline,), dict(switches))
+def _variant(name: str, min_batch_bytes: int | None = None, **plan: str) -> type[RecpipePipeline]:
+    """recpipe's pipeline with the memory plan's fields ``plan`` set (and ``min_batch_bytes``)."""
+    attrs: dict[str, object] = {"memory_plan": MemoryPlan(**plan)}
+    if min_batch_bytes is not None:
+        attrs["min_batch_bytes"] = min_batch_bytes
+    return type(name, (RecpipePipeline,), attrs)
 
 
 def _with_options(cls: Callable, **options: object) -> Callable:
@@ -47,11 +51,6 @@ _EARLY_FREE = dict(free_features_storage_early=True)
 _ASYNC = dict(enable_inplace_copy_batch=True, async_inplace_copy=True)  # torchrec >= 1.9
 _LEAN = dict(enable_inplace_copy_batch=True, free_features_storage_early=True,
              clear_data_dist_inputs=True)
-# the ring and the early frees for every batch, however small (sanitizer and ablation runs)
-_ALWAYS = dict(min_batch_bytes=0)
-_RING = dict(ring_feature_permute=True, **_ALWAYS)  # also on CPU
-_A2A_MAIN = _variant("RecpipeA2AMain", all_to_all_outputs_on_main=True)
-
 PIPELINES: dict[str, Callable] = {
     "torchrec": TorchrecPipeline,
     "torchrec_base": TrainPipelineBase,
@@ -63,29 +62,25 @@ PIPELINES: dict[str, Callable] = {
     "torchrec_lean": _with_options(TorchrecPipeline, **_LEAN),
     "torchrec_async": _with_options(TorchrecPipeline, **_ASYNC),
     "recpipe": RecpipePipeline,
-    "recpipe_always": _variant("RecpipeAlways", **_ALWAYS),
-    "recpipe_inplace": _variant("RecpipeInplace", inplace_copy_batch=True),
-    "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs_early=False),
-    "recpipe_no_copy_ring": _variant("RecpipeNoCopyRing", copy_ring=False),
-    "recpipe_copy_ring2": _variant("RecpipeCopyRing2", copy_ring_depth=2),
-    "recpipe_exact_sizes": _variant("RecpipeExactSizes", stable_sizes=False),
-    "recpipe_exact_recat": _variant("RecpipeExactRecat", stable_recat_sizes=False),
-    "recpipe_no_permuted_copy": _variant("RecpipeNoPermutedCopy", permuted_copy=False),
-    "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist_after_forward=True),
+    # the plan for every batch, however small (sanitizer runs)
+    "recpipe_always": _variant("RecpipeAlways", min_batch_bytes=0),
     "recpipe_always_dist_after_forward": _variant(  # (the sanitizer's tiny config)
-        "RecpipeAlwaysDistAfterForward", input_dist_after_forward=True, **_ALWAYS),
-    "recpipe_permuted_copy": _variant("RecpipePermutedCopy", permuted_copy=True),  # row-wise too
-    # every switch off at world size 1: torchrec's path through recpipe's class (its own cost)
-    "recpipe_off": _variant("RecpipeOff", ring_feature_permute=False, free_inputs_early=False),
-    "recpipe_a2a_main": _A2A_MAIN,
-    "recpipe_a2a_main_lean": _with_options(_A2A_MAIN, **_LEAN),
+        "RecpipeAlwaysDistAfterForward", min_batch_bytes=0, input_dist="after_forward"),
+    # one placement against the default (ablations)
+    "recpipe_no_early_free": _variant("RecpipeNoEarlyFree", free_inputs=False),
+    "recpipe_fresh_inputs": _variant("RecpipeFreshInputs", inputs="fresh"),
+    "recpipe_copy_ring": _variant("RecpipeCopyRing", inputs="ring"),  # instead of permuted
+    "recpipe_exact_sizes": _variant("RecpipeExactSizes", p1="fresh", received="exact"),
+    "recpipe_exact_recat": _variant("RecpipeExactRecat", recat="exact"),
+    "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist="after_forward"),
+    "recpipe_permuted_copy": _variant("RecpipePermutedCopy", inputs="permuted"),  # any plan
+    # the whole P1 into the depth-3 ring, for every batch (on CPU and several ranks too)
+    "recpipe_ring": _variant("RecpipeRing", min_batch_bytes=0, p1="ring"),
+    # every placement torchrec's at world size 1: torchrec's path through recpipe's class
+    "recpipe_off": _variant("RecpipeOff", p1="fresh", inputs="fresh", free_inputs=False),
     "recpipe_early_free": _with_options(RecpipePipeline, **_EARLY_FREE),  # + torchrec's option
     "recpipe_lean": _with_options(RecpipePipeline, **_LEAN),  # + all of torchrec's options
     "recpipe_async": _with_options(RecpipePipeline, **_ASYNC),  # + torchrec's copy worker
-    # world size 1: the whole P1 into a depth-3 ring (depth 2: the host waits for main)
-    "recpipe_ring3": _variant("RecpipeRing3", split_input_dist_permute=False, **_RING),
-    "recpipe_ring2": _variant("RecpipeRing2", split_input_dist_permute=False, ring_depth=2, **_RING),
-    "recpipe_ring": _variant("RecpipeRing", **_RING),  # also on several ranks
     "recpipe_nccl_ar": RecpipePipeline,
     "recpipe_symm_ar": RecpipePipeline,
     "recpipe_auto_ar": RecpipePipeline,

@@ -131,27 +131,17 @@ class AllToAllOutputs(TorchFunctionMode):
     """Within the block, each ``torch.empty(shape, device=device, ...)`` (how torchrec's
     ``KJTAllToAllTensorsAwaitable`` makes the all-to-all outputs: the received lengths, values,
     weights) is sized by ``sizes`` (keyed by its order in the block, dtype and trailing dims;
-    None: exact sizes); with ``keep`` given, it is allocated on ``main``
-    (:func:`on_main_stream`; plainly where ``main`` is None: CPU) and appended to ``keep``.
-    Every other call runs unchanged. Scoped to the splits wait of the input dists.
-
-    Contract with ``keep``: the caller keeps it until main has waited on the stream that reads
-    the tensors (data_dist: the recat in ``dist_init``; torchrec's ``PipelinedForward`` makes
-    main wait on data_dist after it). Anything in the block after the first allocation that
-    syncs the host with the current stream waits for all of main's queued work (the event):
-    torchrec's ``_get_recat`` does, for each further sharding group. ``before()`` runs once,
-    before the first output is made: after the host's read of the first fused splits
-    all-to-all, before any tensor all-to-all is queued (or on exit, if none was)."""
+    None: exact sizes), on the current (data_dist) stream. Every other call runs unchanged.
+    Scoped to the splits wait of the input dists. ``before()`` runs once, before the first
+    output is made: after the host's read of the first fused splits all-to-all, before any
+    tensor all-to-all is queued (or on exit, if none was)."""
 
     def __init__(
         self, sizes: HighWater | None, device: torch.device,
-        keep: list[torch.Tensor] | None = None,
-        main: torch.cuda.Stream | None = None,
         before: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
-        self._sizes, self._device, self._keep, self._main = sizes, device, keep, main
-        self._before = before
+        self._sizes, self._device, self._before = sizes, device, before
         #: the all-to-all outputs made in the block
         self.made = 0
 
@@ -167,14 +157,8 @@ class AllToAllOutputs(TorchFunctionMode):
         key = (self.made, dtype, shape[1:])
         self.made += 1
         if self._sizes is None:
-            make = lambda: func(*args, **kwargs)  # noqa: E731
-        else:
-            make = lambda: self._sizes.empty(key, shape, dtype, torch.device(device))  # noqa: E731
-        if self._keep is None:
-            return make()
-        out = on_main_stream(self._main, make)
-        self._keep.append(out)
-        return out
+            return func(*args, **kwargs)
+        return self._sizes.empty(key, shape, dtype, torch.device(device))
 
     def __exit__(self, exc_type, exc_value, traceback):  # noqa: ANN001
         out = super().__exit__(exc_type, exc_value, traceback)

@@ -1,43 +1,26 @@
-"""``TrainPipelineSparseDist`` with the KJT permutes written into memory that is reusable on time.
+"""``TrainPipelineSparseDist`` with the input path's batch-sized tensors in memory that is
+reusable on time.
 
 A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
-where the two permutes of the sparse input distribution write (docs/design.md):
+where the batch-sized tensors of the sparse input distribution live, as its
+:class:`~recpipe.pipeline.plan.MemoryPlan` says (the table of tensors, streams and reuse events
+is in :mod:`recpipe.pipeline.plan`; docs/design.md):
 
-- P1, the feature-order permute in ``input_dist`` (on the data_dist stream): into a
-  pipeline-owned :class:`~recpipe.pipeline.buffers.BufferRing`, one slot per batch in flight
-  (3 slots for the whole permute, 2 for the split one).
-  By default only at world size 1 on CUDA, where torchrec's all-to-all is skipped and the
-  permuted KJT itself is what the main stream reads (record_stream'd); there the lengths are
-  permuted on data_dist and the values into a 2-slot ring on a side stream
-  (``split_input_dist_permute``). On CPU (no streams) torchrec's tensor is freed as soon as it
-  is dropped, so a ring would only hold memory. With more ranks the all-to-all reads it on
-  data_dist and torchrec frees it right after, so for an EmbeddingBagCollection a ring would
-  only add memory; an EmbeddingCollection's context (``features_before_input_dist``,
-  read in its output dist) and data-parallel tables do take it to main, and keep torchrec's
-  record_stream there unless ``ring_feature_permute = True``.
-- P2, the recat permute in ``dist_init`` (world size > 1, data_dist stream, inside the
-  pipelined forward): into buffers allocated on the main stream
-  (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
-- What the all-to-alls sent (world size > 1: the feature-permuted KJT; a row-wise group's
-  bucketized KJT, a second batch-sized tensor): torchrec holds it until the forward a step
-  later; recpipe drops it when the next batch's input dist starts (with the permuted copy: at
-  the end of its own ``wait_sparse_data_dist``), after data_dist waited for the all-to-all
-  (:meth:`TrainPipelineSparseDist._release_sent_inputs`).
-- The batch's input KJTs that P1 permuted (``free_inputs_early``): freed once the batch's input
-  dists are queued (with the split permute, after the batch's input-dist wait), as torchrec
-  >= 1.7's ``free_features_storage_early`` does, on 1.6 too,
-  and only the storages of the pipeline's own host-to-device copy (:meth:`_copy_next`).
-- The copies of those inputs (``copy_ring``, CUDA): into a pipeline-owned
-  :class:`~recpipe.pipeline.buffers.CopyRing` of one slot (``copy_ring_depth``), written again
-  once the input dists' reads are queued (with the split permute, the side stream's values
-  write too), instead of fresh memcpy-stream memory that returns to the pool only when
-  data_dist's queued work is done.
-- The batch copy itself (``inplace_copy_batch``, off by default): main-stream memory for any
-  ``Pipelineable`` (:func:`recpipe.kjt.copy_batch`).
-- World size > 1 (``permuted_copy``): one KJT's values copied to the device already in P1's
-  order, into one pipeline-owned slot (:class:`~recpipe.pipeline.permuted_copy.PermutedCopy`),
-  so that P1 permutes its lengths alone and the all-to-all sends the copy itself: one
-  batch-sized tensor less in flight.
+- the host-to-device copy of the P1 inputs: a pipeline-owned
+  :class:`~recpipe.pipeline.buffers.CopyRing` slot, or (world size > 1) the
+  :class:`~recpipe.pipeline.permuted_copy.PermutedCopy` slot, already in P1's order, that the
+  all-to-all sends; the other P1 inputs freed once the batch's input dists are queued, as
+  torchrec >= 1.7's ``free_features_storage_early`` does, for the pipeline's own copies only;
+- P1, the feature-order permute in ``input_dist`` (data_dist): a
+  :class:`~recpipe.pipeline.buffers.BufferRing` (world size 1, where main reads P1's output),
+  or data_dist's pool at the site's high-water size (:class:`~recpipe.pipeline.buffers.HighWater`);
+- what the all-to-alls sent (P1's output, a row-wise group's bucketized KJT): dropped on data_dist
+  once the all-to-all is waited, not a step later at the forward
+  (:meth:`TrainPipelineSparseDist._release_sent_inputs`);
+- the all-to-all outputs: data_dist's pool at the site's high-water size
+  (:class:`~recpipe.pipeline.buffers.AllToAllOutputs`);
+- P2, the recat permute in ``dist_init`` (world size > 1, inside the pipelined forward): main's
+  pool (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
 
 How the permutes are reached: Python runs at P1 and P2 only. The batch's KJTs take a
 per-pipeline subclass (:func:`recpipe.kjt.redirecting_kjt_type`) during each pipelined module's
@@ -46,10 +29,11 @@ wait (P2: its ``dist_init``); torchrec's own methods run inside, with a
 :class:`~recpipe.kjt.PermuteInto` mode whose scope is that one method. Every other torch call of
 the input dist takes torch's C++ path, and nothing outside this pipeline's calls changes.
 
-Neither needs ``record_stream`` (torchrec still calls it on the KJT; for main-stream memory it is
-a no-op, and ring memory is never freed while in use); the split permute's lengths (small, fresh
-data_dist memory) do rely on it. Everything else is torchrec's code path,
-so the losses are bit-identical: recpipe's permute gives fbgemm's results exactly.
+None of these needs ``record_stream`` (torchrec still calls it on the KJT; for main-stream memory
+it is a no-op, and pipeline-owned memory is written again only after its last reader's event);
+the split permute's lengths (small, fresh data_dist memory) do rely on it. Everything else is
+torchrec's code path, so the losses are bit-identical: recpipe's permute gives fbgemm's results
+exactly.
 """
 
 from __future__ import annotations
@@ -95,6 +79,7 @@ from recpipe.pipeline.buffers import (
     padded_allocator,
 )
 from recpipe.pipeline.permuted_copy import PermutedCopy
+from recpipe.pipeline.plan import Facts, MemoryPlan, resolve
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
@@ -114,156 +99,33 @@ class PipelineStats(RedirectStats):
     """Counts since the pipeline was made: the permutes redirected at P1 (``input_dist``) and P2
     (``dist_init``) and the torch calls the interception saw (``seen``); all-to-alls whose sent
     inputs were given back a step early (``released``); bytes of input KJTs freed early
-    (``inputs_freed_bytes``); all-to-all outputs allocated on main (``outputs_on_main``) and
-    sized to their high-water mark (``outputs_sized``); batches copied in P1's order
-    (``permuted_copies``); input dists started after the forward (``late_input_dists``)."""
+    (``inputs_freed_bytes``); all-to-all outputs sized to their high-water mark
+    (``outputs_sized``); batches copied in P1's order (``permuted_copies``); input dists started
+    after the forward (``late_input_dists``)."""
 
     released: int = 0
     inputs_freed_bytes: int = 0
-    outputs_on_main: int = 0
     outputs_sized: int = 0
     permuted_copies: int = 0
     late_input_dists: int = 0
 
 
 class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
-    """torchrec's ``TrainPipelineSparseDist``, with the sparse permutes' outputs in memory that
-    the allocator can reuse on time (see the module docstring). Same arguments and behaviour;
-    the arguments are torchrec's (``free_features_storage_early`` and ``clear_data_dist_inputs``
-    are not in torchrec 1.6, ``async_inplace_copy`` needs 1.9).
+    """torchrec's ``TrainPipelineSparseDist``, with the batch-sized tensors of the input path
+    placed by a :class:`~recpipe.pipeline.plan.MemoryPlan` (see the module docstring). Same
+    arguments and behaviour; the arguments are torchrec's (``free_features_storage_early`` and
+    ``clear_data_dist_inputs`` are not in torchrec 1.6, ``async_inplace_copy`` needs 1.9).
     """
 
-    #: P1 ring slots, one per batch in flight (host ahead of the GPU: the batch whose step is
-    #: still running, the batch in compute, the next one) when the whole permute waits for its
-    #: slot on data_dist. The slot of batch i+1 is the one batch i+1-depth used, so depth 2
-    #: would make the input dist of batch i+1 wait for main to finish step i-1, and the host
-    #: reads data_dist right after (``wait_sparse_data_dist``: at one rank the recat is made
-    #: with a synchronous ``torch.tensor(..., device=cuda)``; with more ranks the splits are
-    #: read with ``.tolist()``): measured 22% slower on 1 H100.
-    ring_depth: int = 3
-    #: Permute the lengths on data_dist at once (fresh memory) and the values/weights into a
-    #: depth-2 ring on a side stream that alone waits for the slot; data_dist waits for the
-    #: values at the end of ``wait_sparse_data_dist``, after the host's read. None (default):
-    #: wherever allowed, i.e. world size 1, the ring on, no row-wise tables (with more ranks the values
-    #: all-to-all is queued before data_dist could wait; a row-wise input dist bucketizes the
-    #: values on data_dist). Measured on 1 H100, large config (README): 0.99x torchrec's
-    #: ms/iter, 990 MiB less peak reserved; the depth-3 ring: 0.995x, +28 MiB.
-    split_input_dist_permute: bool | None = None
-    #: P1 into the ring: None (default) = at world size 1 on CUDA only (see the module
-    #: docstring; True also on CPU, as the tests do to run the ring's logic there, with
-    #: ``min_batch_bytes = 0``: their batches are small).
-    ring_feature_permute: bool | None = None
-    #: Copy each batch into main-stream memory on the memcpy stream (torchrec's
-    #: ``enable_inplace_copy_batch``, for any ``Pipelineable``: :func:`recpipe.kjt.copy_batch`),
-    #: so that no ``record_stream(main)`` holds a batch's memory past its last use. CUDA only.
-    #: Off by default: the copy then waits for main's queued work, measured 1.05x torchrec's
-    #: ms/iter on 1 H100 (large config), for 0.7x one batch's KJTs once inputs are freed early.
-    inplace_copy_batch: bool = False
-    #: Free the storage of each input KJT that an input dist permuted (P1), once the batch's
-    #: input dists are queued (with the split permute: at the end of the batch's
-    #: ``wait_sparse_data_dist``): torchrec >= 1.7's ``free_features_storage_early``, on every
-    #: version, for the tensors of the pipeline's own copy only (never a user's). Needs
-    #: a model whose forward reads the sparse features only through the pipelined (sharded)
-    #: modules, as torchrec's option does.
-    free_inputs_early: bool = True
-    #: Copy the P1 inputs that ``free_inputs_early`` frees into pipeline-owned memory
-    #: (:class:`~recpipe.pipeline.buffers.CopyRing`) that an earlier batch's copy used: the
-    #: copy stream waits on the device for the event after that batch's input-dist reads,
-    #: instead of taking a new segment while its memory waits for data_dist's queued work.
-    #: The early free ends the input dists, so the copy of batch i+2 reuses batch i+1's
-    #: memory: one slot (``copy_ring_depth``). None (default) or True: wherever the
-    #: inputs are freed early (CUDA) and the copy is torchrec's default one (not
-    #: ``inplace_copy_batch`` nor torchrec's ``enable_inplace_copy_batch``; not with torchrec's
-    #: ``free_features_storage_early``, which frees the inputs itself); at world size 1 off
-    #: with the rest below ``min_batch_bytes``. Measured on 1 H100, large config: 10518 MiB
-    #: peak reserved against 12554 without it (1 rank); 2 ranks sharing the GPU: the memcpy
-    #: pool holds one batch instead of two.
-    copy_ring: bool | None = None
-    #: Copy-ring slots. With the split permute, 1 (default) releases a batch's copy at the end
-    #: of its input dists, queued on the side stream after the values write: the copy of batch
-    #: i+2 waits on the device for batch i+1's values write, which waits for its P1 ring slot
-    #: (main's end of step i-1). 2 release it after data_dist's wait for the values
-    #: (``wait_sparse_data_dist``), so batch i+2's copy reuses batch i's slot. Measured on 1
-    #: H100, large config, 5 alternating runs in each of two calls: 1 slot 10518 MiB peak
-    #: reserved at 0.966x torchrec's ms/iter, 2 slots 11558 MiB at 0.965x.
-    copy_ring_depth: int = 1
-    #: World size > 1: size the batch-sized tensors that data_dist allocates once per batch at
-    #: the same place (P1's outputs, the all-to-all outputs; the copy ring's buffers always
-    #: are) to the largest seen there so far, plus 1/64 when it grows
-    #: (:class:`~recpipe.pipeline.buffers.HighWater`), so that a block freed by one batch fits
-    #: the next one's. With exact sizes, a batch a little larger than the last takes a new
-    #: segment, and the pool keeps one more batch-sized segment (measured on 2 ranks, large
-    #: config, 1 H100: data_dist's pool 3096 -> 2102 MiB). Off below ``min_batch_bytes`` (the
-    #: all-to-all outputs are sized under a mode that sees every torch call of the splits
-    #: wait: about 535 Python calls per step, whatever the model's size). None (default): on
-    #: CUDA (the CPU allocator has no such pools); True also on CPU (the tests do).
-    stable_sizes: bool | None = None
-    #: World size > 1: allocate the all-to-all outputs (the received KJT tensors that P2 reads)
-    #: on the main stream (:class:`~recpipe.pipeline.buffers.AllToAllOutputs`), so that they come
-    #: from main's pool instead of holding data_dist's; the all-to-all then starts after main's
-    #: queued work (the forward of the batch in compute). The host then waits for main at
-    #: each further sharding group: torchrec makes the group's recat on the device with a
-    #: blocking copy on data_dist (``_get_recat``), after the first output's wait. Off: on 2
-    #: H100s (large config, table-/row-wise, 1 run) main's pool grew by more than data_dist's
-    #: shrank: 996 MiB more peak reserved, 1.01x the step time.
-    all_to_all_outputs_on_main: bool = False
-    #: World size > 1: size P2's outputs (main-stream memory, read by the embedding lookups
-    #: through backward) to their high-water mark per module (:class:`HighWater`), as
-    #: ``stable_sizes`` sizes data_dist's. With row-wise tables the received ids vary from
-    #: batch to batch, and a batch a little larger than the last did not fit the block the
-    #: last one freed. None (default): with row-wise tables, where ``stable_sizes`` is on.
-    #: Measured on 2 ranks sharing 1 H200 (large config, peak reserved per rank): table-/
-    #: row-wise 18828 -> 17854 MiB (17726 -> 16744 with ``permuted_copy = True``); on
-    #: table-/column-wise the sizes are steady and the padding cost 11358 -> 12918.
-    stable_recat_sizes: bool | None = None
-    #: World size > 1: copy the values (and weights) of the batch's largest KJT that an
-    #: EmbeddingBagCollection's P1 permutes whole already in P1's feature order, into one
-    #: pipeline-owned slot (:class:`~recpipe.pipeline.permuted_copy.PermutedCopy`): P1 then
-    #: permutes the lengths alone and the all-to-all sends the copy, instead of a second
-    #: batch-sized tensor on data_dist. The copy into the slot waits for the previous batch's
-    #: all-to-all (the host queues it after ``wait_sparse_data_dist``, on a side stream), and
-    #: data_dist waits for it after the splits' host read. Needs a plan of table-wise,
-    #: column-wise and row-wise tables only (data-parallel tables take P1's output to main), no
-    #: ``pipeline_postproc``, and the pipeline's own copy (not ``inplace_copy_batch`` nor
-    #: torchrec's copy and free options). The copy ring is off with it. None (default): on
-    #: CUDA where the inputs are freed early, with table-, column-, table-column- and
-    #: row-wise tables, and off with ``stable_sizes`` below ``min_batch_bytes``; True also
-    #: with other plans (table-row-wise, grid) and on CPU (the tests). The host's splits read
-    #: does not wait for the copy with one fused splits all-to-all per step (one process group)
-    #: and pinned host batches; a second sharding group's recat (torchrec's blocking copy on
-    #: data_dist, ``_get_recat``) does, for the copy queued a step earlier. A row-wise group
-    #: bucketizes the values before that read, so there the read waits for the copy: measured
-    #: on 2 H200s (large config, table-/row-wise, 2 alternating runs) at 0.999x torchrec's
-    #: ms/iter and 15214 MiB peak reserved per rank, against 1.002x and 16272 MiB without it.
-    permuted_copy: bool | None = None
-    #: World size > 1: start batch i+1's input dist (P1, a row-wise group's bucketize, the
-    #: splits all-to-all) after the forward of batch i has been queued, right before its wait
-    #: (torchrec starts it before that forward). Its data_dist allocations then come after that
-    #: forward's P2 read and dropped batch i's received all-to-all tensors, and reuse their
-    #: memory. Off: on 2 H200s (large config, table-/row-wise, 2-3 alternating runs) 13272
-    #: against 15022 MiB peak reserved per rank, but 1.060x torchrec's ms/iter against 1.017x
-    #: (2 ranks sharing one H200: 15046 against 16668 MiB). Those runs made the deferred start
-    #: wait for the whole memcpy stream, so for batch i+2's copy too (torchrec queues it
-    #: between the start and the forward); it now waits for batch i+1's copy alone (not yet
-    #: measured on GPUs). Also not profiled: the splits' host read now syncs behind the
-    #: forward's output all-to-all. Run at the end of the step instead (after the backward) it
-    #: was as slow. Without the permuted copy, the one-slot copy ring gives each copy new
-    #: memory with it.
-    input_dist_after_forward: bool = False
-    #: Act only where it pays. The first batch's P1 inputs (the input KJTs that the pipelined
-    #: modules' input dists permute) are measured; below this many bytes, at world size 1 the
-    #: pipeline runs torchrec's code path from the next batch on (``redirecting`` False: the
-    #: ring and the early frees save at most about a batch's KJTs, and cost host time every
-    #: step), and at world size > 1 ``stable_sizes`` (and with it ``permuted_copy``) turns
-    #: off. Where the pipeline copied the first batch (CUDA) and the whole copy is below the
-    #: bound, that batch takes torchrec's path too: no first use of recpipe's kernels (a Triton
-    #: compile in a fresh process, and MovieLens on 1 H100 ran its first 25 steps at half
-    #: torchrec's speed). Measured on 1 H100
-    #: (in one process, 5 x 50 steps): small config, 20 MiB of KJTs per batch, 4.54 ms per step
-    #: against torchrec's 4.08 for 18 MiB less peak reserved;
-    #: large config, 1027 MiB: 4 GiB less at 0.985-1.065x torchrec's ms/iter (single runs).
-    #: It applies on top of the other switches, ``ring_feature_permute = True`` included.
-    #: The ring's memory goes back once the first batch is done. 0: always act.
+    #: Where each batch-sized tensor of the input path lives; a field left None takes the
+    #: model's default (:func:`recpipe.pipeline.plan.resolve`; the resolved plan: ``plan``).
+    memory_plan: MemoryPlan = MemoryPlan()
+    #: Act only where it pays: below this many bytes of the first batch's P1 inputs (the input
+    #: KJTs that the pipelined modules' input dists permute), the plan saves less memory than its
+    #: host time is worth. Then at world size 1 the pipeline runs torchrec's code path from the
+    #: next batch on (``redirecting`` False; where the first batch's whole copy is below it, from
+    #: that batch on: no first use of recpipe's kernels), and at world size > 1 the high-water
+    #: sizes and the permuted copy that the plan chose by default turn off. 0: always act.
     min_batch_bytes: int = 64 * 2**20
 
     def __init__(
@@ -299,84 +161,66 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 async_inplace_copy=async_inplace_copy,
             ),
         )
-        _check_switches(self)
+        limit = self.min_batch_bytes
+        if type(limit) is not int or limit < 0:
+            raise ValueError(
+                f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {limit!r}"
+            )
+        if not isinstance(self.memory_plan, MemoryPlan):
+            raise ValueError(f"memory_plan must be a recpipe.pipeline.MemoryPlan, got {self.memory_plan!r}")
         cuda = self._device.type == "cuda"
         main = torch.cuda.current_stream(self._device) if cuda else None
         world = _world_size(self._model)
-        ring = self.ring_feature_permute
-        if ring is None:
-            ring = world == 1 and cuda
-        self._use_ring = ring and not clears_data_dist_inputs(self)
-        split = self.split_input_dist_permute
-        self._bucketized = _bucketized(self._model)
-        if split is None:
-            split = self._use_ring and world == 1 and not self._bucketized
-        elif split:
-            if world > 1:
-                raise ValueError(
-                    "split_input_dist_permute needs world size 1: with more ranks the values "
-                    "all-to-all is queued before data_dist could wait for the values"
-                )
-            if self._bucketized:
-                raise ValueError(
-                    "split_input_dist_permute: a row-wise input dist bucketizes the values on "
-                    "data_dist before data_dist could wait for them"
-                )
-            if not self._use_ring:
-                raise ValueError("split_input_dist_permute needs the ring (ring_feature_permute)")
-        #: the resolved ``split_input_dist_permute``: whether this pipeline splits P1
-        self.uses_split_permute: bool = split
-        if split:
+        facts = Facts(
+            world, cuda, frozenset(_sharding_types(self._model)),
+            torchrec_copies_or_frees=copies_or_frees_inputs_itself(self),
+            torchrec_clears=clears_data_dist_inputs(self),
+            postproc=bool(getattr(self, "_pipeline_postproc", False)),
+        )
+        plan = resolve(self.memory_plan, facts)
+        #: the resolved memory plan (``memory_plan`` with the model's defaults filled in)
+        self.plan: MemoryPlan = plan
+        self._bucketized = facts.bucketized
+        self._use_ring = plan.p1 in ("ring", "split_ring")
+        self.uses_split_permute = plan.p1 == "split_ring"
+        if self.uses_split_permute:
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[SideWrite]] = {}
         self._ring = BufferRing(
-            main, 2 if split else self.ring_depth, stale_refs=stale_index_refs(self._model)
+            main, 2 if self.uses_split_permute else 3, stale_refs=stale_index_refs(self._model)
         )
         #: what the pipeline did so far (:class:`PipelineStats`)
         self.stats = PipelineStats()
         # P2, the recat after the all-to-all: only with more than one rank
         self._redirect_dist_init = world > 1
-        self._outputs_on_main = world > 1 and self.all_to_all_outputs_on_main
         self._main = main
-        self._received: dict[int, list[torch.Tensor]] = {}  # batch index -> all-to-all outputs
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
-        stable = cuda if self.stable_sizes is None else self.stable_sizes
-        # world size > 1: the all-to-all outputs' and P1's sizes (P1's runner: at world size 1
-        # the ring's, or torchrec's)
-        self._received_sizes = HighWater() if stable and world > 1 else None
-        self._sent_sizes = HighWater() if stable and world > 1 else None
-        # decided on the first batch, as ``redirecting`` (``min_batch_bytes``)
-        self._sizes_undecided = stable and world > 1 and self.min_batch_bytes > 0
+        several = world > 1
+        self._received_sizes = HighWater() if several and plan.received == "high_water" else None
+        self._sent_sizes = HighWater() if several and plan.p1 == "high_water" else None
+        # the defaults that pay only for large batches: decided on the first one
+        self._sizes_undecided = self._received_sizes is not None and self.min_batch_bytes > 0
         self._dist_init_runner: Runner = self._recat_runner()
-        if cuda and self.inplace_copy_batch:
-            self._enable_inplace_copy_batch = True  # torchrec's flag: no record_stream(main)
-        # only the pipeline's own copies are freed (CPU: .to() copies nothing)
-        self._free_inputs = cuda and self.free_inputs_early
-        #: whether batches may be copied into the copy ring (``_use_copy_ring``: from now on)
-        self._copy_ring_on = (
-            self.copy_ring is not False and self._free_inputs
-            and not copies_or_frees_inputs_itself(self)
+        self._free_inputs = plan.free_inputs
+        self._copy_ring_on = plan.inputs == "ring"  # batches may have been copied into it
+        self._use_copy_ring = self._copy_ring_on  # batches are copied into it from now on
+        self._permuted = (
+            PermutedCopy(torch.cuda.Stream(self._device) if cuda else None)
+            if plan.inputs == "permuted" else None
         )
-        self._permuted = self._permuted_copy(world, cuda)
-        if self._permuted is not None:  # (its slot holds the values: nothing left to ring)
-            self._copy_ring_on = False
-        self._use_copy_ring = self._copy_ring_on
         self._sends_released: set[int] = set()  # batches whose all-to-all inputs went
         # the P1 buffers (main's pool) of the batch the permuted copy learns from, until sent
         self._learned_from: dict[int, list[PermuteBuffers]] = {}
-        # With the split permute and one slot, the release is queued on the side stream after
-        # the values write, at the end of the input dists; else after data_dist's wait for it
-        self._copy_ring_on_side = split and self.copy_ring_depth == 1
-        self._copy_ring = CopyRing(depth=self.copy_ring_depth)
+        self._copy_ring = CopyRing()
         self._permuted_inputs: list[KeyedJaggedTensor] = []  # P1's inputs, batch in input dist
         self._sent_whole: list[KeyedJaggedTensor] = []  # input KJTs an input dist did not permute
         self._kjt_type = redirecting_kjt_type(
             lambda: self._input_dist_runner, lambda: self._dist_init_runner, self.stats,
             self._permuted_inputs.append,
         )
-        acts = self._use_ring or self._free_inputs or world > 1 or self._permuted is not None
-        #: Whether recpipe's switches act: None until the first batch's input dist decides
-        #: (world size 1, ``min_batch_bytes``); False where they never do (one CPU rank) or once
+        acts = self._use_ring or self._free_inputs or several or self._permuted is not None
+        #: Whether recpipe's plan acts: None until the first batch's input dist decides
+        #: (world size 1, ``min_batch_bytes``); False where it never does (one CPU rank) or once
         #: the first batch was below ``min_batch_bytes`` (torchrec's code path since).
         self.redirecting: bool | None = (
             None if acts and world == 1 and self.min_batch_bytes > 0 else acts
@@ -386,7 +230,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
-        self._late_input_dist = world > 1 and self.input_dist_after_forward
+        self._late_input_dist = plan.input_dist == "after_forward"
         # the next batch's input dist, deferred by start_sparse_data_dist to its wait, with the
         # memcpy stream's event after the batch's copy (None on CPU)
         self._late: tuple[In, TrainPipelineContext, torch.cuda.Event | None] | None = None
@@ -479,7 +323,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._release_inputs(context.index, inputs)
             return
         served = None  # the side stream reads them: after data_dist's wait for it, but
-        if self._copy_ring_on_side and self._copy_ring_on and self._side is not None:
+        if self._copy_ring_on and self._side is not None:
             self._side.wait_stream(self._data_dist_stream)  # the copy ring's now, on the side
             served = self._release_copies(context.index, inputs, self._side)
             self._unpin_ring(self._values_done.get(context.index, []))
@@ -507,15 +351,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self._use_ring = self._free_inputs = self._use_copy_ring = False
 
     def _recat_runner(self) -> Runner:
-        """P2's runner: main-stream buffers, sized to their site's high-water mark where
-        ``stable_recat_sizes`` resolves on (None: with row-wise tables, while the all-to-all
-        outputs are sized). Exact sizes otherwise: on steady sizes main's pool shares P2's
-        blocks with the activations, which the exact sizes fit (measured: 1/64 more took new
-        segments there)."""
-        on = self.stable_recat_sizes
-        if on is None:
-            on = self._bucketized and self._received_sizes is not None
-        sized = on and self._redirect_dist_init
+        """P2's runner: main-stream buffers, sized to their site's high-water mark where the
+        plan says (by default with row-wise tables, while the all-to-all outputs are sized).
+        Exact sizes otherwise: on steady sizes main's pool shares P2's blocks with the
+        activations, which the exact sizes fit."""
+        chosen = self.memory_plan.recat is not None or self._received_sizes is not None
+        sized = self.plan.recat == "high_water" and chosen and self._redirect_dist_init
         alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate
         return write_into(main_stream_allocator(self._main, alloc))
 
@@ -660,29 +501,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self._main.wait_event(sent)  # all-to-all (the batch's forward waits anyway)
             # dropped at the batch's first P2 (wait_sparse_data_dist), else at its dequeue
 
-    def _permuted_copy(self, world: int, cuda: bool) -> PermutedCopy | None:
-        """The resolved ``permuted_copy`` switch."""
-        on = self.permuted_copy
-        types = _sharding_types(self._model)
-        torchrecs = copies_or_frees_inputs_itself(self) or clears_data_dist_inputs(self)
-        postproc = bool(getattr(self, "_pipeline_postproc", False))
-        if on is None:
-            on = (world > 1 and self._free_inputs and not torchrecs and not self.inplace_copy_batch
-                  and not postproc and bool(types) and types <= _COPIED_IN_ORDER)
-        elif on:
-            problem = (
-                "world size 1 (no all-to-all reads the values)" if world == 1
-                else "a model without a sharding plan (DistributedModelParallel's)" if not types
-                else "a plan with data-parallel tables (main reads their values)"
-                if "data_parallel" in types
-                else "pipeline_postproc (a postproc may read the values)" if postproc
-                else "inplace_copy_batch or torchrec's own copy and input frees"
-                if torchrecs or self.inplace_copy_batch else None
-            )
-            if problem:
-                raise ValueError(f"permuted_copy = True does not work with {problem}; leave it None")
-        return PermutedCopy(torch.cuda.Stream(self._device) if cuda else None) if on else None
-
     def _ring_runner(self, batch_index: int) -> Runner:
         if self.uses_split_permute:
             done = self._values_done.setdefault(batch_index, [])
@@ -728,13 +546,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         before = None  # data_dist waits for the permuted copy: after the splits' host read
         if permuted is not None and not self._bucketized:
             before = partial(permuted.wait, context.index, self._data_dist_stream)
-        if self._received_sizes is not None or self._outputs_on_main or before is not None:
-            # on main: kept until the batch's forward has made main wait
-            keep = self._received.setdefault(context.index, []) if self._outputs_on_main else None
+        if self._received_sizes is not None or before is not None:
             sizes = self._received_sizes
-            with AllToAllOutputs(sizes, self._device, keep, self._main, before) as outputs:
+            with AllToAllOutputs(sizes, self._device, before) as outputs:
                 super().wait_sparse_data_dist(context)
-            self.stats.outputs_on_main += len(keep or ())
             if sizes is not None:
                 self.stats.outputs_sized += outputs.made
         else:
@@ -742,9 +557,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self._redirect_dist_init and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
             # the learning P1's memory goes just before the batch's first P2 allocates on main:
-            # freed earlier, the forward's first small tensors split the block, and P2's
-            # batch-sized output took a new segment (2 ranks sharing 1 H200: main's pool
-            # 9676 MiB)
+            # freed earlier, the forward's first small tensors would split the block, and P2's
+            # batch-sized output would take a new segment
             learned = None
             if context.index in self._learned_from:
                 learned = partial(self._learned_from.pop, context.index, None)
@@ -764,7 +578,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         super().reset()
         self._ring.forget_owners()
         self._late = None
-        for kept in (self._copied, self._received, self._releasable, self._learned_from):
+        for kept in (self._copied, self._releasable, self._learned_from):
             kept.clear()
         self._sends_released.clear()
         if self._permuted is not None:
@@ -779,7 +593,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._ring.drop_done()
             self._copy_ring.drop_done()
         self._copied.pop(self.contexts[0].index, None)
-        self._received.pop(self.contexts[0].index, None)
         self._sends_released.discard(self.contexts[0].index)
         self._learned_from.pop(self.contexts[0].index, None)  # (if the permuted copy went off)
         if self._permuted is not None:
@@ -834,32 +647,6 @@ def _nbytes(tensors_or_kjts: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:
     )
 
 
-def _check_switches(pipeline: TrainPipelineSparseDist) -> None:
-    """A switch set to a value it does not take (a typo such as ``copy_ring = "no"`` would
-    otherwise be truthy) is a one-line ``ValueError`` that names the values it takes."""
-    for name in ("split_input_dist_permute", "ring_feature_permute", "copy_ring", "stable_sizes",
-                 "permuted_copy", "stable_recat_sizes"):
-        value = getattr(pipeline, name)
-        if value is not None and type(value) is not bool:
-            raise ValueError(f"{name} must be True, False or None (auto), got {value!r}")
-    for name in ("inplace_copy_batch", "free_inputs_early", "all_to_all_outputs_on_main",
-                 "input_dist_after_forward"):
-        value = getattr(pipeline, name)
-        if type(value) is not bool:
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-    depth = pipeline.ring_depth
-    if type(depth) is not int or depth < 1:
-        raise ValueError(f"ring_depth must be an int >= 1 (slots; default 3), got {depth!r}")
-    depth = pipeline.copy_ring_depth
-    if type(depth) is not int or depth < 1:
-        raise ValueError(f"copy_ring_depth must be an int >= 1 (slots; default 1), got {depth!r}")
-    limit = pipeline.min_batch_bytes
-    if type(limit) is not int or limit < 0:
-        raise ValueError(
-            f"min_batch_bytes must be an int >= 0 (bytes; 0: always act), got {limit!r}"
-        )
-
-
 def _with_kjt_type(
     input_dist: Callable[..., Awaitable], kjt_type: type[KeyedJaggedTensor],
     permuted: list[KeyedJaggedTensor], sent_whole: list[KeyedJaggedTensor],
@@ -909,23 +696,12 @@ class _DistInitRedirected(Awaitable[Any]):
             return self._inner.wait()
 
 
-# sharding types with the permuted copy on by default: their input dist sends P1's output as
-# it is, or bucketizes it on data_dist (row-wise); measured on 2 GPUs
-_COPIED_IN_ORDER = frozenset({"table_wise", "column_wise", "table_column_wise", "row_wise"})
-
-
 def _sharding_types(model: torch.nn.Module) -> set[str]:
     """The sharding types of the (DistributedModelParallel) plan; empty without one."""
     plan = getattr(model, "plan", None)
     if plan is None:
         return set()
     return {p.sharding_type for module_plan in plan.plan.values() for p in module_plan.values()}
-
-
-def _bucketized(model: torch.nn.Module) -> bool:
-    """Whether a table of the (DistributedModelParallel) plan is row-wise in some form, so that
-    its input dist reads the permuted values on data_dist (bucketize) in ``input_dist``."""
-    return any(t == "grid_shard" or "row_wise" in t for t in _sharding_types(model))
 
 
 def _world_size(model: torch.nn.Module) -> int:

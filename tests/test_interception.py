@@ -18,7 +18,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as Torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recpipe
-from recpipe.pipeline import TrainPipelineSparseDist
+from recpipe.pipeline import MemoryPlan, TrainPipelineSparseDist
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 8
@@ -33,7 +33,7 @@ def _is_recpipe_code(filename: str) -> bool:
 
 
 class RingPipeline(TrainPipelineSparseDist):
-    ring_feature_permute = True  # P1's ring, also on CPU (the default there is torchrec's P1)
+    memory_plan = MemoryPlan(p1="split_ring")  # P1's ring, also on CPU (default: torchrec's P1)
     min_batch_bytes = 0  # for every batch, however small
 
 
@@ -101,7 +101,8 @@ def _python_calls_per_step(rank: int, world: int, device: torch.device,
 
 
 class _CudaDefaults(TrainPipelineSparseDist):
-    stable_sizes = True  # as on CUDA (the all-to-all outputs' mode, P1 through recpipe's op),
+    # as on CUDA (the all-to-all outputs' mode, P1 through recpipe's op),
+    memory_plan = MemoryPlan(p1="high_water", received="high_water")
     min_batch_bytes = 0  # for batches of any size
 
 

@@ -21,7 +21,9 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as Torch
 
 from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.testing.launch import SHARED_GPU_ENV, rank_backend_device
-from recpipe.pipeline.sparse_dist import _bucketized
+from recpipe.pipeline import MemoryPlan
+from recpipe.pipeline.plan import Facts
+from recpipe.pipeline.sparse_dist import _sharding_types
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded, shard
 
 STEPS = 16
@@ -31,56 +33,46 @@ GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
 
 class RingEverywherePipeline(TrainPipelineSparseDist):
-    ring_feature_permute = True  # P1 into the ring on CPU and on several ranks too
+    memory_plan = MemoryPlan(p1="split_ring")  # world size 1: P1 into the ring on CPU too
     min_batch_bytes = 0  # for every batch, however small
-
-
-class TwoSlotCopyRingPipeline(RingEverywherePipeline):
-    copy_ring_depth = 2  # with the split permute: released after data_dist's wait
 
 
 class SmallBatchesPipeline(RingEverywherePipeline):
     min_batch_bytes = 2**40  # every batch is small: torchrec's path
 
 
-class SplitPermutePipeline(RingEverywherePipeline):
-    split_input_dist_permute = True
-
-
 class WholePermutePipeline(RingEverywherePipeline):
-    split_input_dist_permute = False  # one rank: the whole P1 into the depth-3 ring
+    memory_plan = MemoryPlan(p1="ring")  # the whole P1 into the depth-3 ring (several ranks too)
 
 
 class StableSizesPipeline(TrainPipelineSparseDist):
-    stable_sizes = True  # high-water sizes on CPU too
+    memory_plan = MemoryPlan(p1="high_water", received="high_water")  # on CPU too
     min_batch_bytes = 0  # for every batch, however small
 
 
 class StableRecatSizesPipeline(StableSizesPipeline):
-    stable_recat_sizes = True  # P2's outputs too (the default with row-wise tables)
+    # P2's outputs too (the default with row-wise tables)
+    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="high_water")
 
 
 class LateInputDistPipeline(StableRecatSizesPipeline):
-    input_dist_after_forward = True  # the next batch's input dist after the forward
-    permuted_copy = True  # and the copy's slot, whose order it changes
+    # the next batch's input dist after the forward, and the copy's slot, whose order it changes
+    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="high_water",
+                             input_dist="after_forward", inputs="permuted")
 
 
 class LateInputDistOnSmallBatchesPipeline(TrainPipelineSparseDist):
-    input_dist_after_forward = True
-    min_batch_bytes = 0  # every other switch at its default
-
-
-class OutputsOnMainPipeline(TrainPipelineSparseDist):
-    all_to_all_outputs_on_main = True  # the received KJT tensors in main-stream memory
+    memory_plan = MemoryPlan(input_dist="after_forward")
+    min_batch_bytes = 0  # every other placement at its default
 
 
 class PermutedCopyPipeline(TrainPipelineSparseDist):
-    permuted_copy = True  # on CPU and with row-wise tables too
+    memory_plan = MemoryPlan(inputs="permuted")  # on CPU and with row-wise tables too
     min_batch_bytes = 0  # for every batch, however small
 
 
 class ActOnSmallBatchesPipeline(TrainPipelineSparseDist):
-    min_batch_bytes = 0  # every other switch at its default
+    min_batch_bytes = 0  # every placement at its default
 
 
 def _train(
@@ -125,16 +117,11 @@ if GPU2:
     SHARDINGS.update(row_wise=["row_wise"], mixed_tw_rw_cw=["table_wise", "row_wise", "column_wise"])
 
 
-@pytest.mark.parametrize("ours", [
-    RingEverywherePipeline,
-    pytest.param(TwoSlotCopyRingPipeline, marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="the copy ring acts on CUDA only")),
-])
-def test_single_rank_feature_permute_bit_identical(ours: type) -> None:
+def test_single_rank_feature_permute_bit_identical() -> None:
     """World size 1: only the feature-order permute (P1) runs; with the ring (the default on
     CUDA; forced here, for CPU) split: lengths on data_dist, values into the depth-2 ring on a
-    side stream. The copy ring's default 1 slot (released on the side stream), and 2."""
-    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
+    side stream. The copy ring's slot is released on the side stream."""
+    (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, RingEverywherePipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS and not r["redirected"].get("dist_init")
     assert r["split"] and r["ring_replaced"] == 0  # in steady state slots are reused in place
@@ -184,25 +171,29 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
 
 
 @pytest.mark.parametrize(
-    "name, value, expected",
+    "plan, expected",
     [
-        ("copy_ring", "no", "copy_ring must be True, False or None (auto), got 'no'"),
-        ("ring_feature_permute", 1, "ring_feature_permute must be True, False or None (auto), got 1"),
-        ("free_inputs_early", None, "free_inputs_early must be True or False, got None"),
-        ("ring_depth", 0, "ring_depth must be an int >= 1 (slots; default 3), got 0"),
-        ("stable_sizes", "on", "stable_sizes must be True, False or None (auto), got 'on'"),
-        ("copy_ring_depth", 0, "copy_ring_depth must be an int >= 1 (slots; default 1), got 0"),
-        ("permuted_copy", "yes", "permuted_copy must be True, False or None (auto), got 'yes'"),
-        ("stable_recat_sizes", 0, "stable_recat_sizes must be True, False or None (auto), got 0"),
-        ("input_dist_after_forward", 1, "input_dist_after_forward must be True or False, got 1"),
-        ("permuted_copy", True, "permuted_copy = True does not work with world size 1 (no "
-                                "all-to-all reads the values); leave it None"),
-        ("copy_ring", False, "no error"),
+        (dict(inputs="no"), "MemoryPlan.inputs must be one of 'fresh', 'ring', 'permuted' or None "
+                            "(auto), got 'no'"),
+        (dict(free_inputs=1), "MemoryPlan.free_inputs must be one of True, False or None (auto), "
+                              "got 1"),
+        (dict(p1="split_ring"), "no error"),
+        (dict(p1="high_water"), "MemoryPlan: p1='high_water' needs world size > 1; leave it None"),
+        (dict(inputs="permuted"), "MemoryPlan: inputs='permuted' needs world size > 1 (no "
+                                  "all-to-all reads the values); leave it None"),
+        (dict(input_dist="after_forward"), "MemoryPlan: input_dist='after_forward' needs world "
+                                           "size > 1 (no all-to-all to move); leave it None"),
+        (dict(inputs="fresh", free_inputs=False), "no error"),
     ],
 )
-def test_a_switch_with_a_value_it_does_not_take_is_named(name: str, value: object, expected: str) -> None:
-    (message,) = run_ranks(1, _with_switch, name, value)
+def test_a_plan_that_does_not_work_is_named(plan: dict, expected: str) -> None:
+    (message,) = run_ranks(1, _with_switch, "memory_plan", MemoryPlan(**plan))
     assert message == expected
+
+
+def test_a_memory_plan_of_another_type_is_named() -> None:
+    (message,) = run_ranks(1, _with_switch, "memory_plan", {"p1": "ring"})
+    assert message == "memory_plan must be a recpipe.pipeline.MemoryPlan, got {'p1': 'ring'}"
 
 
 class _Stream:
@@ -217,7 +208,7 @@ class _Stream:
 
 @pytest.mark.parametrize("fails", [False, True], ids=["starts", "start_raises"])
 def test_a_deferred_input_dist_waits_for_its_own_copy_only(fails: bool) -> None:
-    """``input_dist_after_forward``: the deferred start makes data_dist wait for the event of its
+    """``input_dist="after_forward"``: the deferred start makes data_dist wait for the event of its
     batch's copy and records the batch on data_dist, both before the start (whose early free
     gives the batch's storages back); torchrec's wait for the whole memcpy stream (by then
     also holding batch i+2's copy) sees no stream, and the stream comes back, also when the
@@ -236,7 +227,7 @@ def test_a_deferred_input_dist_waits_for_its_own_copy_only(fails: bool) -> None:
 
 
 def test_a_deferred_input_dist_notes_the_memcpy_event_of_its_batch() -> None:
-    """``input_dist_after_forward``: torchrec's start of batch i+1 (before batch i+2's copy is
+    """``input_dist="after_forward"``: torchrec's start of batch i+1 (before batch i+2's copy is
     queued) only notes the batch, with an event recorded on the memcpy stream then; the first
     batch (the one in compute) starts at once."""
     event = object()
@@ -254,7 +245,7 @@ def test_a_deferred_input_dist_notes_the_memcpy_event_of_its_batch() -> None:
 
 
 def test_single_rank_whole_feature_permute_bit_identical() -> None:
-    """``split_input_dist_permute = False``: the whole P1 into the depth-3 ring."""
+    """``p1="ring"``: the whole P1 into the depth-3 ring."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], STEPS, WholePermutePipeline)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
     assert r["redirected"].get("input_dist", 0) >= STEPS
@@ -281,7 +272,7 @@ def test_torchrec_options_compose(options: dict) -> None:
 def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
     model, optimizer = build_sharded(ModelSpec(), ["table_wise"], device, torch.distributed.group.WORLD)
     try:
-        SplitPermutePipeline(model, optimizer, device)
+        RingEverywherePipeline(model, optimizer, device)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -302,7 +293,7 @@ def _permuted_copy_on(rank: int, world: int, device: torch.device, sharding: str
 def test_permuted_copy_refuses_data_parallel_tables() -> None:
     """Data-parallel tables take P1's output to main, past the slot's next write."""
     assert run_ranks(2, _permuted_copy_on, "table_wise") == ["True", "True"]
-    expected = ("permuted_copy = True does not work with a plan with data-parallel tables (main "
+    expected = ("MemoryPlan: inputs='permuted' does not work with data-parallel tables (main "
                 "reads their values); leave it None")
     assert run_ranks(2, _permuted_copy_on, "data_parallel") == [expected] * 2
 
@@ -313,7 +304,7 @@ def _plan_is_bucketized(rank: int, world: int, device: torch.device) -> list[boo
     row_wise = SimpleNamespace(
         plan=SimpleNamespace(plan={"ebc": {"t0": SimpleNamespace(sharding_type="row_wise")}})
     )
-    return [_bucketized(model), _bucketized(row_wise)]
+    return [Facts(1, False, frozenset(_sharding_types(m))).bucketized for m in (model, row_wise)]
 
 
 def test_split_feature_permute_detects_row_wise_plans() -> None:
@@ -340,28 +331,16 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
 
 
 def test_feature_permute_ring_on_two_ranks_bit_identical() -> None:
-    """P1 into the ring on 2 ranks (``ring_feature_permute = True``), features regrouped."""
-    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, RingEverywherePipeline)
+    """P1 into the ring on 2 ranks (``p1="ring"``), features regrouped."""
+    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, WholePermutePipeline)
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("input_dist", 0) >= STEPS and r["ring_replaced"] == 0
 
 
 @pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"] if GPU2 else ["mixed_tw_cw"])
-def test_all_to_all_outputs_on_main_bit_identical(sharding: str) -> None:
-    """``all_to_all_outputs_on_main = True``: every all-to-all output (lengths and values of
-    each of the 3 modules' 2 groups, the weighted module's weights too) comes from main."""
-    results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, OutputsOnMainPipeline)
-    for r in results:
-        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
-        assert r["redirected"].get("outputs_on_main", 0) >= 13 * (STEPS - 1), r["redirected"]
-        # exact sizes without stable_sizes (off on CPU): none counted as sized
-        assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
-
-
-@pytest.mark.parametrize("sharding", ["mixed_tw_cw", "mixed_tw_rw_cw"] if GPU2 else ["mixed_tw_cw"])
 def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
-    """``permuted_copy = True``: from the second batch on, one KJT per batch (an
+    """``inputs="permuted"``: from the second batch on, one KJT per batch (an
     EmbeddingBagCollection's) is copied in P1's order into the slot, written once the previous
     batch's all-to-all has sent it; P1 permutes its lengths alone. A copy written too early
     would change what the all-to-all sends, and the losses."""
@@ -377,12 +356,12 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
     ("mixed_tw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", LateInputDistOnSmallBatchesPipeline),
-], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-input_dist_after_forward"])
+], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-after_forward"])
 def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, ours: type) -> None:
-    """Every default switch acting from the first batch (``min_batch_bytes = 0``): on CUDA at
+    """Every default placement acting from the first batch (``min_batch_bytes = 0``): on CUDA at
     world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
     the all-to-all outputs, and with row-wise tables for P2's outputs; with row-wise tables
-    also with ``input_dist_after_forward`` (the bucketize after the forward, waiting for the
+    also with ``input_dist="after_forward"`` (the bucketize after the forward, waiting for the
     permuted copy)."""
     results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, ours)
     late = STEPS - 1 if ours is LateInputDistOnSmallBatchesPipeline else 0
@@ -395,14 +374,14 @@ def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, 
 
 @pytest.mark.parametrize(
     "ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline],
-    ids=["stable_sizes", "stable_recat_sizes", "input_dist_after_forward"],
+    ids=["high_water", "recat_high_water", "after_forward"],
 )
-def test_stable_sizes_bit_identical_on_two_ranks(ours: type) -> None:
-    """``stable_sizes = True`` (the CUDA default) on CPU: P1 goes through recpipe's op into
+def test_high_water_sizes_bit_identical_on_two_ranks(ours: type) -> None:
+    """High-water sizes (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
     the 3 modules' 2 groups, the weighted module's weights too), and with
-    ``stable_recat_sizes`` P2's outputs (their values a view of the front of a larger buffer),
-    and with ``input_dist_after_forward`` every next batch's input dist after the forward; the
+    ``recat="high_water"`` P2's outputs (their values a view of the front of a larger buffer),
+    and with ``input_dist="after_forward"`` every next batch's input dist after the forward; the
     losses stay torchrec's."""
     results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
     late = STEPS - 1 if ours is LateInputDistPipeline else 0

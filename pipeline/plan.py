@@ -1,0 +1,180 @@
+"""The memory plan: where each batch-sized tensor of the input path lives, and when it is reused.
+
+torchrec's pipeline has three batches in flight: batch i+2 is copied (memcpy stream), batch i+1
+is input-distributed (data_dist stream), batch i is computed (main stream). Each batch-sized
+tensor of that path is written on one stream, read on others, and its memory may be written
+again only after its last reader; torchrec leaves that to ``record_stream``, which keeps every
+block until the reader's queued work is done, so each pool holds one batch more than needed.
+:class:`MemoryPlan` names one placement per tensor; :func:`resolve` fills in the defaults for a
+model, and the pipeline (:mod:`recpipe.pipeline.sparse_dist`) follows it:
+
+============  ===========  ==============  ===========  ===================================
+tensor        written on   read on         by batch     placement: memory reused when
+============  ===========  ==============  ===========  ===================================
+``inputs``    memcpy       data_dist (P1)  i+2 -> i+1   ``"ring"``: one pipeline slot, after
+(copied P1                                              an event on the stream of the last
+inputs)                                                 P1 read. ``"permuted"`` (world > 1):
+                                                        the largest KJT's values copied in
+                                                        P1's order into one slot that the
+                                                        all-to-all sends, after its event.
+                                                        ``free_inputs``: others freed once
+                                                        the input dists are queued.
+``p1``        data_dist    data_dist       i+1         ``"ring"``: 3 slots (batch in step,
+(feature      (side: the   (all-to-all);   (world 1:   in compute, next), after main's event
+permute)      split        main at world   i)          at the end of the slot's step.
+              values)      size 1                      ``"split_ring"``: values on a side
+                                                        stream into 2 slots, lengths fresh.
+                                                        ``"high_water"``: data_dist's pool,
+                                                        sized to the site's high-water mark.
+sent          data_dist    all-to-all      i+1         world > 1: dropped on data_dist once
+(P1 output,                                             its all-to-all is waited, not a step
+bucketized)                                             later at the forward (always).
+``received``  data_dist    data_dist (P2)  i+1 -> i    ``"high_water"``: sized to the site's
+(all-to-all                                             high-water mark, so that the block
+outputs)                                                the last batch freed fits.
+``recat``     data_dist,   main            i           main's pool (always), after an event
+(P2 output)   main's pool  (forward,                   on main; ``"high_water"``: sized per
+                           backward)                   module, for varying row-wise ids.
+============  ===========  ==============  ===========  ===================================
+
+``input_dist="after_forward"`` starts batch i+1's input dist after batch i's forward is queued,
+so that its data_dist allocations reuse what that forward's P2 dropped: less memory, at the cost
+of a host read of the splits behind that forward.
+
+Every placement is ordered by events, never by ``record_stream``: a slot is written again only
+after its last reader's event; main-stream memory is freed by main, in stream order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+Inputs = Literal["fresh", "ring", "permuted"]
+FeaturePermute = Literal["fresh", "ring", "split_ring", "high_water"]
+Sizes = Literal["exact", "high_water"]
+InputDist = Literal["before_forward", "after_forward"]
+
+_CHOICES: dict[str, tuple[object, ...]] = {
+    "inputs": ("fresh", "ring", "permuted"),
+    "free_inputs": (True, False),
+    "p1": ("fresh", "ring", "split_ring", "high_water"),
+    "received": ("exact", "high_water"),
+    "recat": ("exact", "high_water"),
+    "input_dist": ("before_forward", "after_forward"),
+}
+
+# sharding types whose input dist sends P1's output as it is, or bucketizes it on data_dist
+# (row-wise): the permuted copy's order is theirs
+_COPIED_IN_ORDER = frozenset({"table_wise", "column_wise", "table_column_wise", "row_wise"})
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One placement per batch-sized tensor of the input path (module docstring); None: the
+    default for the model (:func:`resolve`). ``free_inputs=False`` is for a model whose forward
+    reads the sparse features outside the sharded modules; ``input_dist="after_forward"`` trades
+    time for memory on row-wise plans."""
+
+    inputs: Inputs | None = None
+    free_inputs: bool | None = None
+    p1: FeaturePermute | None = None
+    received: Sizes | None = None
+    recat: Sizes | None = None
+    input_dist: InputDist | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the plan depends on: world size, device, the sharding plan's types, and torchrec's
+    own options (its in-place copy or early free; its ``clear_data_dist_inputs``; a pipelined
+    postproc)."""
+
+    world: int
+    cuda: bool
+    types: frozenset[str] = frozenset()
+    torchrec_copies_or_frees: bool = False
+    torchrec_clears: bool = False
+    postproc: bool = False
+
+    @property
+    def bucketized(self) -> bool:
+        """Whether a table is row-wise in some form: its input dist reads P1's values on
+        data_dist (bucketize) before the splits are known."""
+        return any(t == "grid_shard" or "row_wise" in t for t in self.types)
+
+
+def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
+    """``plan`` with every None replaced by the default for ``facts``; a value that does not
+    work there is a one-line ``ValueError`` that names the fix."""
+    for f in fields(MemoryPlan):
+        value = getattr(plan, f.name)
+        if value is not None and (value not in _CHOICES[f.name] or type(value) is int):
+            choices = ", ".join(repr(c) for c in _CHOICES[f.name])
+            raise ValueError(f"MemoryPlan.{f.name} must be one of {choices} or None (auto), got {value!r}")
+    world, cuda = facts.world, facts.cuda
+    # only the pipeline's own copies are freed; on CPU ``to()`` copies nothing
+    free = cuda and plan.free_inputs is not False
+    p1 = plan.p1 or _default_p1(facts)
+    problem = _p1_problem(p1, facts)
+    received = plan.received or ("high_water" if cuda and world > 1 else "exact")
+    inputs = plan.inputs or _default_inputs(facts, free)
+    problem = problem or _inputs_problem(inputs, facts, free)
+    input_dist = plan.input_dist or "before_forward"
+    if input_dist == "after_forward" and world == 1:
+        problem = problem or "input_dist='after_forward' needs world size > 1 (no all-to-all to move)"
+    if problem:
+        raise ValueError(f"MemoryPlan: {problem}; leave it None")
+    recat = plan.recat or ("high_water" if facts.bucketized and received == "high_water" else "exact")
+    return MemoryPlan(inputs, free, p1, received, recat, input_dist)
+
+
+def _default_p1(facts: Facts) -> FeaturePermute:
+    if not facts.cuda:  # the CPU allocator frees torchrec's output at once
+        return "fresh"
+    if facts.world > 1:  # the all-to-all reads it on data_dist and drops it
+        return "high_water"
+    if facts.torchrec_clears:
+        return "fresh"
+    return "ring" if facts.bucketized else "split_ring"
+
+
+def _p1_problem(p1: FeaturePermute, facts: Facts) -> str | None:
+    if p1 in ("ring", "split_ring") and facts.torchrec_clears:
+        return f"p1={p1!r} does not work with torchrec's clear_data_dist_inputs"
+    if p1 == "split_ring" and facts.world > 1:
+        return "p1='split_ring' needs world size 1 (the values all-to-all is queued first)"
+    if p1 == "split_ring" and facts.bucketized:
+        return "p1='split_ring' does not work with row-wise tables (bucketized on data_dist)"
+    if p1 == "high_water" and facts.world == 1:
+        return "p1='high_water' needs world size > 1"
+    return None
+
+
+def _default_inputs(facts: Facts, free: bool) -> Inputs:
+    if not free or facts.torchrec_copies_or_frees:
+        return "fresh"
+    if (facts.world > 1 and not facts.torchrec_clears and not facts.postproc
+            and facts.types and facts.types <= _COPIED_IN_ORDER):
+        return "permuted"
+    return "ring"
+
+
+def _inputs_problem(inputs: Inputs, facts: Facts, free: bool) -> str | None:
+    if inputs == "ring" and (not free or facts.torchrec_copies_or_frees):
+        return "inputs='ring' needs free_inputs on CUDA and the pipeline's own copy"
+    if inputs != "permuted":
+        return None
+    return (
+        "inputs='permuted' needs world size > 1 (no all-to-all reads the values)"
+        if facts.world == 1
+        else "inputs='permuted' needs a sharding plan (DistributedModelParallel's)"
+        if not facts.types
+        else "inputs='permuted' does not work with data-parallel tables (main reads their values)"
+        if "data_parallel" in facts.types
+        else "inputs='permuted' does not work with pipeline_postproc (it may read the values)"
+        if facts.postproc
+        else "inputs='permuted' does not work with torchrec's own copy and input frees"
+        if facts.torchrec_copies_or_frees or facts.torchrec_clears
+        else None
+    )
