@@ -45,7 +45,7 @@ case "${1:-}" in
     # one process per pipeline and plan (a flagged run stops the benchmark's next ones); the
     # tiny config's batches are below min_batch_bytes, so recpipe_always
     csan_pipelines="torchrec recpipe_always" csan_plans=table_wise,column_wise
-    [ "$ngpu" -eq 1 ] && csan_pipelines="torchrec recpipe_always recpipe_ring3"
+    [ "$ngpu" -eq 1 ] && csan_pipelines="torchrec recpipe_always recpipe_ring"
     [ "$ngpu" -ge 2 ] && csan_pipelines="$csan_pipelines recpipe_always_dist_after_forward" \
       csan_plans="table_wise,column_wise table_wise,row_wise"
     for plan in $csan_plans; do
