@@ -1,26 +1,65 @@
 """Dense-gradient all-reduce for DistributedModelParallel without DDP: bucketed, overlapped with
-backward, through :func:`recpipe.ops.all_reduce.all_reduce_flat` (NCCL, or symmetric memory on
-one NVLink host; gloo on CPU), optionally ``torch.compile``'d.
+backward on a communication stream, through :func:`recpipe.ops.all_reduce.all_reduce_flat`
+(NCCL, or symmetric memory on one NVLink host; gloo on CPU), optionally ``torch.compile``'d.
 
 Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce())``.
 
-Each bucket is a group of dense (unsharded) parameters of one dtype, in reverse registration
-order (about the order backward produces their grads), up to ``bucket_cap_mb``. A
-``post_accumulate_grad`` hook counts the bucket's ready grads; when the last one lands, the
-bucket's grads are summed across ranks as one flat tensor, divided by the world size and copied
-back in place, while backward goes on. The reduction runs on the current stream (main), so the
-optimizer, queued after backward, reads reduced grads.
+Buckets. Each bucket is a group of dense (unsharded) parameters of one dtype, in reverse
+registration order (about the order backward produces their grads), up to the bucket cap
+(:class:`BucketedAllReduce`'s ``bucket_cap_mb``, lowered by ``"auto"`` and ``"symm_mem"`` to the
+largest size they reduce through symmetric memory: 16 MiB on 2 x H200). Consecutive small
+grads are packed up to the cap, so those buckets hold between half the cap and the cap (8-16
+MiB there, where two-shot beats NCCL); a gradient larger than the cap is a bucket of its own
+(NCCL's size range, where NCCL is as fast); what is left at the end (the first layers' grads,
+which backward produces last) is the last, smaller bucket: the only reduction that cannot
+overlap backward.
+
+Overlap. A ``post_accumulate_grad`` hook counts the bucket's ready grads. When its last one
+lands, the bucket's reduction is queued on the wrapper's :class:`CommStream`: on CUDA a
+dedicated stream, made to wait (an event) for what the current stream (the one backward runs
+its AccumulateGrad on: main) has queued so far, so for the bucket's grads; there the grads are
+summed across ranks as one flat tensor, divided by the world size and copied back into the
+grads in place, while main goes on with backward. At the first dense grad of a backward, a
+callback is queued on the autograd engine (``queue_callback``, as DDP's reducer does); it runs
+when backward ends, on the stream that called ``backward()`` (main), and makes that stream wait
+for the communication stream: the optimizer, and anything else queued on main after
+``backward()``, reads reduced grads.
+
+Streams and ownership (CUDA):
+
+- the grads (``param.grad``) are allocated on main by autograd; from the event of their
+  bucket's launch until the end-of-backward wait, only the communication stream reads and
+  writes them (backward does not touch a leaf's grad after its AccumulateGrad). The stream
+  holds the submitted work, and so Python references to those grads, until main has waited
+  for it: a grad freed or replaced later (``zero_grad(set_to_none=True)``) goes back to main's
+  pool after main's wait, so no kernel of main reuses its memory while the reduction may still
+  read it. No ``record_stream``: the caching allocator would have to query an event at each such
+  free, and would hold the blocks back from main's pool until then.
+- the bucket's flat gradient, the reduced sum and the divided means are allocated on the
+  communication stream and used only there (NCCL's own stream, where the NCCL path runs, waits
+  for it and is waited by it: c10d holds its input until then); dropped when the work returns,
+  their memory is reused only by later work on the same stream, in stream order.
+- the symmetric-memory paths run on the communication stream too: inductor's symmetric buffer of
+  each compiled graph, and :func:`~recpipe.ops.all_reduce.symmetric_buffer`, are reused by the
+  next call on that stream, in stream order.
+
+On CPU (gloo) there are no streams: the same code runs the work when it is submitted (gloo's
+collectives return when done) and the end-of-backward wait has nothing to wait for. The tests
+put a stand-in stream there that runs the work only when waited on, as a GPU stream far behind
+the host would: the optimizer must still see the reduced means.
 
 ``algorithm`` picks each bucket's all-reduce (:data:`~recpipe.ops.all_reduce.POLICIES`):
 ``"nccl"``; ``"auto"``, NCCL or a symmetric-memory algorithm, whichever the measured table of
-:mod:`recpipe.ops.all_reduce_table` says is fastest for the bucket's size (never slower than
-NCCL on its measurements); ``"symm_mem"``, symmetric memory for every bucket it can reduce.
-The latter two enable symmetric memory for the group when it can be used there (CUDA, an NCCL
-group, ``node_local``), lower the bucket cap to the largest bucket they reduce through it, and
-compile each bucket's reduction with static shapes through
+:mod:`recpipe.ops.all_reduce_table` says is faster for the bucket's size (a symmetric one only
+where the upper end of its latency ratio's 95% interval is below NCCL's by the table's margin);
+``"symm_mem"``, symmetric memory for every bucket it can reduce. The latter two enable symmetric
+memory for the group when it can be used there (CUDA, an NCCL group, ``node_local``), lower the
+bucket cap as above, and compile each bucket's reduction with static shapes through
 :func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then allocates the bucket's flat
-gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it one-shot there
-with no extra copy. :meth:`BucketedAllReduce.plan` says what each bucket runs.
+gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it there with no
+extra copy. Where symmetric memory cannot be used (CPU, a group across nodes, no table for the
+GPU), every bucket goes through NCCL (gloo on CPU), compiled only if ``compile=True``.
+:meth:`BucketedAllReduce.plan` says what each bucket runs.
 """
 
 from __future__ import annotations
@@ -54,10 +93,41 @@ def mean_all_reduce(
     grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "auto",
 ) -> list[torch.Tensor]:
     """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
-    flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`).
-    Traceable by torch.compile."""
+    flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`), on
+    the current stream. Traceable by torch.compile."""
     flat = all_reduce_flat(grads, group, algorithm) / dist.get_world_size(group)
     return [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+
+class CommStream:
+    """Where the buckets' reductions run while backward goes on (see the module docstring).
+
+    CUDA: a dedicated stream. :meth:`submit` makes it wait for what the current stream has
+    queued, queues the work there and holds the work (so the tensors it references) until
+    :meth:`wait`, which makes the current stream wait for all of it. CPU: no stream (``stream``
+    is None): the work runs when submitted, and :meth:`wait` has nothing to wait for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._held: list[Callable[[], None]] = []
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (host code queuing kernels) after everything queued so far on the
+        current stream; call from the stream whose work it reads (backward's: main)."""
+        if self.stream is None:
+            work()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with self.stream:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
+            work()
+        self._held.append(work)
+
+    def wait(self) -> None:
+        """Make the current stream wait for all submitted work, then drop the work (and the
+        references it holds: safe once the current stream, which will free them, waited)."""
+        if self.stream is not None and self._held:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self._held.clear()
 
 
 class _Bucket:
@@ -79,9 +149,13 @@ class _Bucket:
         if self.ready < len(self.params):
             return
         self.ready = 0
-        grads = [p.grad for p in self.params]
+        self.owner.comm.submit(functools.partial(self._reduce_in_place, [p.grad for p in self.params]))
+
+    def _reduce_in_place(self, grads: list[torch.Tensor]) -> None:
+        """``grads`` = their mean over the ranks, on the current stream (the comm stream)."""
+        owner = self.owner
         with torch.no_grad():
-            torch._foreach_copy_(grads, self.reduce(grads, self.owner._group, self.owner.algorithm))
+            torch._foreach_copy_(grads, self.reduce(grads, owner._group, owner.algorithm))
 
 
 def _buckets(
@@ -110,12 +184,16 @@ class BucketedAllReduce(DataParallelWrapper):
         bucket_cap_mb: bucket size (DDP's default is 25); with ``"auto"`` or ``"symm_mem"`` at
             most the largest bucket they reduce through symmetric memory, where they do (16 MiB
             on 2 x H200).
-        compile: reduce each bucket through ``torch.compile(fullgraph=True)`` (always, unless
-            ``algorithm="nccl"``).
-        reduce: the bucket reduction, :func:`mean_all_reduce` by default.
+        compile: reduce each bucket through ``torch.compile(fullgraph=True)`` (always where
+            symmetric memory is on).
+        reduce: the bucket reduction, :func:`mean_all_reduce` by default: new tensors (the
+            means), computed on the current stream, which is the communication stream.
         algorithm: ``"nccl"``, ``"auto"`` or ``"symm_mem"`` (see the module docstring).
         node_local: whether the group's ranks are all on one node; if not, symmetric memory
             stays off and every bucket goes through NCCL.
+
+    Attributes:
+        comm: the :class:`CommStream` the reductions run on (``wrap`` makes it for the device).
     """
 
     def __init__(
@@ -130,12 +208,13 @@ class BucketedAllReduce(DataParallelWrapper):
             raise ValueError(f"BucketedAllReduce(algorithm={algorithm!r}): expected one of {POLICIES}")
         self.algorithm = algorithm
         self._cap = int(bucket_cap_mb * 2**20)
-        self._compile = compile or algorithm != "nccl"
+        self._compile = compile
         self._node_local = node_local
         self._reduce = reduce
         self._group: dist.ProcessGroup | None = None
         self._checking = False
         self.buckets: list[_Bucket] = []
+        self.comm = CommStream(torch.device("cpu"))
 
     def plan(self) -> list[tuple[int, str]]:
         """Per bucket, in reduction order: its bytes and the all-reduce :func:`mean_all_reduce`
@@ -169,7 +248,7 @@ class BucketedAllReduce(DataParallelWrapper):
         dynamic ones), so one graph per bucket; dynamo keeps the graphs of one function
         together (over every wrapper in the process), so its recompile limit is raised for
         these calls: with ``fullgraph=True`` reaching it would be an error."""
-        if not self._compile:
+        if not (self._compile or symmetric):
             return self._reduce
         if symmetric:
             compiled = compile_symmetric(self._reduce)
@@ -189,13 +268,16 @@ class BucketedAllReduce(DataParallelWrapper):
         return reduce
 
     def _backward_started(self) -> None:
-        """On a backward's first dense grad: check, once it ends, that every bucket reduced."""
+        """On a backward's first dense grad: once it ends, wait for the reductions."""
         if not self._checking:
             self._checking = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._check_all_reduced)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
-    def _check_all_reduced(self) -> None:
+    def _backward_finished(self) -> None:
+        """The engine's final callback, on the stream that called ``backward()``: it waits for
+        every bucket's reduction; then checks that every bucket was reduced."""
         self._checking = False
+        self.comm.wait()
         missing = [b for b in self.buckets if b.ready]
         for b in missing:
             b.ready = 0
@@ -217,6 +299,7 @@ class BucketedAllReduce(DataParallelWrapper):
             for p in dense:
                 dist.broadcast(p, src=dist.get_global_rank(group, 0), group=group)
         self._group = group
+        self.comm = CommStream(device)
 
         @functools.cache
         def cap(dtype: torch.dtype) -> int:  # the bucket cap, or the largest symmetric bucket

@@ -1,0 +1,139 @@
+"""BucketedAllReduce's reductions overlap backward (pipeline/data_parallel.py), on 2 ranks (gloo
+on CPU; NCCL on 2 GPUs): the optimizer reads every bucket's reduced means although the
+reductions are queued while backward goes on and end only when main waits for them; the
+fallback to NCCL (gloo) where symmetric memory cannot run; losses as DDP's.
+
+On CPU the communication stream is replaced by a stand-in that runs the submitted work only when
+waited for (a GPU stream far behind the host); on GPUs the real stream runs each reduction
+behind a ~20 ms spin kernel. Either way, a wrapper that let the optimizer read before its wait
+gives it the rank's own grads, not the means: the control run without the end-of-backward wait
+must see that."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv
+
+from recpipe.pipeline import TrainPipelineSparseDist
+from recpipe.pipeline.data_parallel import BucketedAllReduce, CommStream, mean_all_reduce
+from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
+
+_SPIN_CYCLES = 40_000_000  # ~20 ms on H100/H200: the optimizer would run long before the means
+
+
+class _LaggingStream(CommStream):
+    """A CPU stand-in for a communication stream far behind the host: submitted work runs only
+    in :meth:`wait`. Notes how many of ``params`` had a grad at each submission."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(torch.device("cpu"))
+        self.params = params
+        self.queued: list[Callable[[], None]] = []
+        self.grads_at_submit: list[int] = []
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self.grads_at_submit.append(sum(p.grad is not None for p in self.params))
+        self.queued.append(work)
+
+    def wait(self) -> None:
+        while self.queued:
+            self.queued.pop(0)()
+
+
+def _slow_mean(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
+    """:func:`mean_all_reduce` behind a spin kernel on the current (communication) stream."""
+    if grads[0].is_cuda:
+        torch.cuda._sleep(_SPIN_CYCLES)
+    return mean_all_reduce(grads, group, algorithm)
+
+
+def _mlp(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4)).double().to(device)
+
+
+def _optimizer_reads(rank: int, world: int, device: torch.device, wait: bool) -> dict:
+    """One SGD step (lr 1) of a data-parallel MLP through BucketedAllReduce: whether the update
+    is minus the mean of the ranks' grads (computed here, in one process, on a copy), the
+    buckets, and how many grads existed at each submission (CPU). ``wait=False``: the
+    end-of-backward callback is never queued (the control)."""
+    model = _mlp(device)
+    reference = copy.deepcopy(model)
+    wrapper = BucketedAllReduce(bucket_cap_mb=2 / 1024, reduce=_slow_mean)  # 2 KiB: 4 buckets
+    DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                             device=device, data_parallel_wrapper=wrapper)
+    params = list(model.parameters())
+    if device.type == "cpu":
+        wrapper.comm = _LaggingStream(params)
+    if not wait:
+        wrapper._backward_started = lambda: None
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(r), dtype=torch.float64).to(device)
+          for r in range(world)]
+    before = [p.detach().clone() for p in params]
+    model(xs[rank]).square().sum().backward()
+    optimizer.step()
+    read = [b - p.detach() for b, p in zip(before, params)]  # lr 1: the grads the step read
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    (sum(reference(x).square().sum() for x in xs) / world).backward()
+    means = [p.grad for p in reference.parameters()]
+    return dict(
+        means=all(torch.allclose(r, m, rtol=1e-9, atol=1e-12) for r, m in zip(read, means)),
+        buckets=[len(b.params) for b in wrapper.buckets],
+        grads_at_submit=getattr(wrapper.comm, "grads_at_submit", None),
+    )
+
+
+def test_the_optimizer_reads_the_means_of_every_bucket() -> None:
+    """The reductions are submitted during backward (the first while most grads are still to
+    come, one per bucket, in backward's order), run late, and the optimizer still reads the
+    means; without the end-of-backward wait it reads the rank's own grads."""
+    for result in run_ranks(2, _optimizer_reads, True):
+        assert result["buckets"] == [3, 1, 1, 1] and result["means"], result
+        if result["grads_at_submit"] is not None:  # CPU: the lagging stand-in
+            assert result["grads_at_submit"] == [3, 4, 5, 6], result
+    assert [r["means"] for r in run_ranks(2, _optimizer_reads, False)] == [False, False]
+
+
+STEPS = 6
+#: the wrappers against DDP: several buckets each; the NCCL fallbacks of "auto"
+WRAPPERS: dict[str, Callable[[], BucketedAllReduce]] = {
+    "nccl": lambda: BucketedAllReduce(bucket_cap_mb=0.01),
+    "auto": lambda: BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto"),  # on CPU: gloo
+    "auto_across_nodes": lambda: BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto", node_local=False),
+}
+
+
+def _train(rank: int, world: int, device: torch.device) -> dict[str, tuple[list[float], list[str]]]:
+    """Per variant: the losses of ``STEPS`` steps and the plan's algorithms."""
+    out = {}
+    spec = ModelSpec()
+    for variant in ["ddp", *WRAPPERS]:
+        wrapper = WRAPPERS[variant]() if variant != "ddp" else None
+        model, optimizer = build_sharded(spec, ["table_wise", "column_wise"], device, dist.group.WORLD,
+                                         seed=1, data_parallel=wrapper)
+        pipeline = TrainPipelineSparseDist(model, optimizer, device)
+        it = batches(spec, STEPS, rank, seed=3)
+        losses = [pipeline.progress(it)[0].item() for _ in range(STEPS)]
+        out[variant] = losses, [] if wrapper is None else [a for _, a in wrapper.plan()]
+    return out
+
+
+def test_losses_match_ddp_and_auto_falls_back_to_nccl() -> None:
+    for per_variant in run_ranks(2, _train):
+        ddp, _ = per_variant.pop("ddp")
+        for variant, (losses, plan) in per_variant.items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp), rtol=1e-5, atol=0,
+                                       msg=variant)
+            assert len(plan) > 2, variant
+            if not torch.cuda.is_available() or variant != "auto":  # CPU or across nodes: NCCL
+                assert set(plan) == {"nccl"}, (variant, plan)
