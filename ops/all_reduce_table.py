@@ -2,19 +2,27 @@
 of :func:`recpipe.ops.all_reduce.all_reduce_sum`).
 
 A :class:`LatencyTable` holds, for one :class:`Machine` (GPU name, world size, torch and NCCL
-versions) and per dtype, the measured all-reduce sizes and each algorithm's P50 latency there:
+versions) and per dtype, the measured all-reduce sizes, each algorithm's P50 latency there and,
+per symmetric algorithm and size, the 95% interval of its latency's ratio to NCCL's (the
+median of the per-call ratios of interleaved calls: see ``scripts/bench_allreduce.py``):
 ``nccl``; ``one_shot`` (in symmetric memory, in place or after a copy: the slower of the two);
-``two_shot`` (copy into the persistent symmetric buffer, then two-shot). Its file::
+``two_shot`` (copy into the persistent symmetric buffer, then two-shot). Its file (schema 2)::
 
-    {"schema": 1, "device": "NVIDIA H200", "world": 2, "torch": "2.13.0", "nccl": "2.27.5",
+    {"schema": 2, "device": "NVIDIA H200", "world": 2, "torch": "2.13.0", "nccl": "2.27.5",
      "note": "(optional) where the numbers come from",
      "dtypes": {"bfloat16": {"bytes": [4096, ...], "nccl": [11.0, ...],
-                             "one_shot": [12.7, ...], "two_shot": [15.4, ...]}}}
+                             "one_shot": [12.7, ...], "two_shot": [15.4, ...],
+                             "ratio_ci95": {"one_shot": [[1.08, 1.17], ...],
+                                            "two_shot": [[1.31, 1.45], ...]}}}}
+
+``ratio_ci95`` is optional: a schema 1 file (the same without it, as the shipped 2 x H200 table
+of 50 calls per size) is still read, its P50 ratios standing for the intervals' upper ends.
 
 :meth:`LatencyTable.choose` is never slower than NCCL on the measurements: it picks a
-symmetric algorithm for ``n`` bytes only if that algorithm beat NCCL by ``MARGIN`` at both
-measured sizes around ``n`` (at ``n`` itself where measured); outside the measured sizes, and
-for a dtype the table lacks, NCCL.
+symmetric algorithm for ``n`` bytes only if the upper end of that algorithm's ratio interval
+(the P50 ratio where the table has no interval) is at most ``1 - MARGIN`` at both measured sizes
+around ``n`` (at ``n`` itself where measured): where the interval does not show a win, NCCL;
+outside the measured sizes, and for a dtype the table lacks, NCCL.
 
 :func:`load_table` reads ``cache_dir() / (machine.key + ".json")`` (what
 ``scripts/bench_allreduce.py --write-table`` writes), else the table shipped in
@@ -30,7 +38,7 @@ import os
 import re
 from bisect import bisect_left
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -40,10 +48,12 @@ import torch
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-SCHEMA = 1
+SCHEMA = 2  # written; read: SCHEMAS
+SCHEMAS = (1, 2)  # 1: no ratio_ci95
 ALGORITHMS = ("nccl", "one_shot", "two_shot")
 SYMMETRIC = ALGORITHMS[1:]
 MARGIN = 0.03  # a symmetric algorithm must beat NCCL by this fraction (of NCCL's latency)
+CI_KEY = "ratio_ci95"
 CACHE_ENV = "RECPIPE_ALL_REDUCE_CACHE"  # overrides cache_dir()
 SHIPPED = "all_reduce_tables"  # the package folder of shipped tables
 
@@ -84,10 +94,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Latencies:
-    """One dtype's measurements: ``us[algorithm][i]`` is the P50 at ``sizes[i]`` bytes."""
+    """One dtype's measurements: ``us[algorithm][i]`` is the P50 at ``sizes[i]`` bytes;
+    ``ci[algorithm][i]``, for a symmetric algorithm, the 95% interval of its latency's ratio to
+    NCCL's there (none in a schema 1 table)."""
 
     sizes: tuple[int, ...]  # increasing
     us: Mapping[str, tuple[float, ...]]  # "nccl" and any of SYMMETRIC
+    ci: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def bracket(self, nbytes: int) -> tuple[int, ...]:
         """Indices of the measured sizes around ``nbytes`` (one on an exact match); none
@@ -97,13 +110,20 @@ class Latencies:
             return ()
         return (i,) if self.sizes[i] == nbytes else (i - 1, i)
 
+    def ratio_bound(self, algorithm: str, i: int) -> float:
+        """What the measurements allow ``algorithm``'s latency to be, relative to NCCL's, at
+        ``sizes[i]``: the upper end of its ratio's 95% interval, else its P50 ratio."""
+        if algorithm in self.ci:
+            return self.ci[algorithm][i][1]
+        return self.us[algorithm][i] / self.us["nccl"][i]
+
     def choose(self, nbytes: int, margin: float = MARGIN) -> str:
-        """The symmetric algorithm with the best worst ratio to NCCL's latency over the bracket
-        of ``nbytes``, if that ratio is at most ``1 - margin``; else ``"nccl"``."""
+        """The symmetric algorithm with the best worst :meth:`ratio_bound` over the bracket of
+        ``nbytes``, if that is at most ``1 - margin``; else ``"nccl"``."""
         at = self.bracket(nbytes)
 
         def worst(algorithm: str) -> float:
-            return max(self.us[algorithm][i] / self.us["nccl"][i] for i in at)
+            return max(self.ratio_bound(algorithm, i) for i in at)
 
         wins = [a for a in SYMMETRIC if a in self.us and worst(a) <= 1 - margin] if at else []
         return min(wins, key=worst, default="nccl")
@@ -132,14 +152,14 @@ class LatencyTable:
         return {
             "schema": SCHEMA, "device": m.device, "world": m.world, "torch": m.torch,
             "nccl": m.nccl, **({"note": self.note} if self.note else {}),
-            "dtypes": {d: {"bytes": list(lat.sizes), **{a: list(us) for a, us in lat.us.items()}}
-                       for d, lat in self.dtypes.items()},
+            "dtypes": {d: _latencies_json(lat) for d, lat in self.dtypes.items()},
         }
 
     @classmethod
     def from_json(cls, obj: Any) -> LatencyTable:
         """The table in ``obj`` (parsed JSON); ``ValueError`` saying what is wrong."""
-        _check(isinstance(obj, dict) and obj.get("schema") == SCHEMA, f"'schema' is not {SCHEMA}")
+        _check(isinstance(obj, dict) and obj.get("schema") in SCHEMAS,
+               f"'schema' is not one of {SCHEMAS}")
         extra = set(obj) - set(_FIELDS)
         _check(not extra, f"unknown keys {sorted(extra)}")
         for key, kind in _FIELDS.items():
@@ -159,6 +179,11 @@ def _check(ok: bool, what: str) -> None:
         raise ValueError(what)
 
 
+def _latencies_json(lat: Latencies) -> dict[str, Any]:
+    ci = {CI_KEY: {a: [list(lo_hi) for lo_hi in v] for a, v in lat.ci.items()}} if lat.ci else {}
+    return {"bytes": list(lat.sizes), **{a: list(us) for a, us in lat.us.items()}, **ci}
+
+
 def _latencies(dtype: str, rows: Any) -> Latencies:
     _check(isinstance(getattr(torch, dtype, None), torch.dtype), f"unknown dtype {dtype!r}")
     _check(isinstance(rows, dict) and "bytes" in rows and "nccl" in rows,
@@ -167,13 +192,24 @@ def _latencies(dtype: str, rows: Any) -> Latencies:
     _check(isinstance(sizes, list) and sizes and all(isinstance(s, int) for s in sizes)
            and 0 < sizes[0] and all(a < b for a, b in zip(sizes, sizes[1:])),
            f"{dtype}: 'bytes' must be increasing positive integers")
-    us = {a: v for a, v in rows.items() if a != "bytes"}
+    us = {a: v for a, v in rows.items() if a not in ("bytes", CI_KEY)}
     for a, v in us.items():
         _check(a in ALGORITHMS, f"{dtype}: unknown algorithm {a!r} (known: {ALGORITHMS})")
         _check(isinstance(v, list) and len(v) == len(sizes)
                and all(isinstance(t, (int, float)) and t > 0 for t in v),
                f"{dtype}: {a!r} must hold a positive latency per size")
-    return Latencies(tuple(sizes), {a: tuple(map(float, v)) for a, v in us.items()})
+    ci = rows.get(CI_KEY, {})
+    _check(isinstance(ci, dict), f"{dtype}: {CI_KEY!r} must map algorithms to intervals")
+    for a, v in ci.items():
+        _check(a in SYMMETRIC and a in us, f"{dtype}: {CI_KEY!r} of {a!r}: not a measured "
+               f"symmetric algorithm")
+        _check(isinstance(v, list) and len(v) == len(sizes)
+               and all(isinstance(x, list) and len(x) == 2
+                       and all(isinstance(t, (int, float)) for t in x) and 0 < x[0] <= x[1]
+                       for x in v),
+               f"{dtype}: {CI_KEY!r} of {a!r} must hold an interval [low, high] per size")
+    return Latencies(tuple(sizes), {a: tuple(map(float, v)) for a, v in us.items()},
+                     {a: tuple((float(lo), float(hi)) for lo, hi in v) for a, v in ci.items()})
 
 
 def cache_dir() -> Path:

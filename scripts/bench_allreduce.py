@@ -18,23 +18,33 @@ Every variant reduces what a gradient bucket is: 4 chunks, concatenated and summ
 - ``compiled``: ``compile_symmetric`` of ``all_reduce_flat(chunks)``, ``"auto"``: what
   ``BucketedAllReduce(algorithm="auto")`` runs (on CPU, gloo).
 
-Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls, each after a barrier
-and timed with CUDA events behind a spin kernel (:func:`time_us`; wall clock on CPU), variants
-interleaved; bus bandwidth ``2 (n-1)/n * bytes / time``;
-the ratio to ``nccl``. Rank 0 prints a markdown table. Multicast stays off.
+Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls (200: enough to tell
+a few percent apart), each after a barrier and timed with CUDA events behind a spin kernel
+(:func:`time_us`; wall clock on CPU), variants interleaved (call ``i`` of every variant in the
+same round, in an order shuffled per round); bus bandwidth ``2 (n-1)/n * bytes / time``; the
+ratio of the P50s to ``nccl``'s; and the per-call ratio (call ``i`` over ``nccl``'s call ``i``:
+rounds share the machine's state) as its median with a distribution-free 95% interval
+(:func:`median_interval`). Rank 0 prints a markdown table, and for ``compiled`` (``"auto"``) the
+sizes where the interval shows it slower than NCCL (lower end above 1) or not winning by
+``--win-below`` (upper end above it) in the sizes it should win (``--win-sizes``). Multicast
+stays off.
 
-``--write-table`` (CUDA): rank 0 writes the P50s to ``all_reduce_table.cache_path(machine)``
-(``<dir>/<gpu>-w<world>-torch<version>-nccl<version>.json``, ``<dir>``: ``$RECPIPE_ALL_REDUCE_CACHE``,
-else ``$XDG_CACHE_HOME/recpipe/all_reduce``, by default ``~/.cache/recpipe/all_reduce``):
-``nccl``; ``one_shot``, the slower of ``symm_one_shot`` (a copy, as for a one-tensor bucket) and
-``compiled_one_shot`` (in place); ``two_shot``, ``symm_two_shot``.
+``--write-table`` (CUDA): rank 0 writes the P50s and intervals to
+``all_reduce_table.cache_path(machine)`` (``<dir>/<gpu>-w<world>-torch<version>-nccl<version>.json``,
+``<dir>``: ``$RECPIPE_ALL_REDUCE_CACHE``, else ``$XDG_CACHE_HOME/recpipe/all_reduce``, by default
+``~/.cache/recpipe/all_reduce``): ``nccl``; ``one_shot``, the slower of ``symm_one_shot`` (a copy,
+as for a one-tensor bucket) and ``compiled_one_shot`` (in place), with the interval of the one
+whose upper end is higher; ``two_shot``, ``symm_two_shot``. To ship it, copy it to
+``ops/all_reduce_tables/<gpu>-w<world>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import time
 
@@ -92,16 +102,51 @@ TABLE_VARIANTS = {"nccl": ("nccl",), "one_shot": ("symm_one_shot", "compiled_one
                   "two_shot": ("symm_two_shot",)}
 
 
-def latency_table(records: list[dict], machine: Machine) -> LatencyTable:
-    """``machine``'s table from the bench's rows (``records``)."""
-    p50 = {(r["dtype"], r["bytes"], r["variant"]): r["p50_us"] for r in records}
+def latency_table(records: list[dict], machine: Machine, calls: int) -> LatencyTable:
+    """``machine``'s table from the bench's rows (``records``), of ``calls`` calls per size."""
+    rec = {(r["dtype"], r["bytes"], r["variant"]): r for r in records}
     dtypes = {}
-    for dtype in dict.fromkeys(d for d, _, _ in p50):
-        sizes = sorted({b for d, b, _ in p50 if d == dtype})
-        us = {a: tuple(max(p50[dtype, b, v] for v in vs) for b in sizes)
-              for a, vs in TABLE_VARIANTS.items() if all((dtype, sizes[0], v) in p50 for v in vs)}
-        dtypes[dtype] = Latencies(tuple(sizes), us)
-    return LatencyTable(machine, dtypes, note="scripts/bench_allreduce.py --write-table")
+    for dtype in dict.fromkeys(d for d, _, _ in rec):
+        sizes = sorted({b for d, b, _ in rec if d == dtype})
+        measured = {a: vs for a, vs in TABLE_VARIANTS.items()
+                    if all((dtype, sizes[0], v) in rec for v in vs)}
+        us = {a: tuple(max(rec[dtype, b, v]["p50_us"] for v in vs) for b in sizes)
+              for a, vs in measured.items()}
+        ci = {a: tuple(max((tuple(rec[dtype, b, v]["ratio_ci95"]) for v in vs), key=lambda x: x[1])
+                       for b in sizes)
+              for a, vs in measured.items() if a != "nccl"}
+        dtypes[dtype] = Latencies(tuple(sizes), us, ci)
+    return LatencyTable(machine, dtypes, note=f"scripts/bench_allreduce.py --write-table, {calls} "
+                        "interleaved calls per size")
+
+
+def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The median of ``xs`` and its distribution-free 95% interval (``z`` = 1.96): the order
+    statistics ``n/2 -+ z sqrt(n)/2`` (1-based), between which the true median lies with 95%
+    probability for independent samples (the binomial count of samples below it, normal
+    approximation; the whole range for fewer than 6)."""
+    xs = sorted(xs)
+    n = len(xs)
+    half = z * math.sqrt(n) / 2
+    lo, hi = max(math.floor(n / 2 - half), 1), min(math.ceil(n / 2 + half), n)
+    return xs[lo - 1], statistics.median(xs), xs[hi - 1]
+
+
+def auto_verdict(records: list[dict], win_sizes: tuple[int, int], win_below: float) -> list[str]:
+    """Where ``compiled`` (``"auto"``) fails the issue's bar: its per-call ratio's interval lies
+    above 1 (slower than NCCL), or, at sizes in ``win_sizes`` (bytes, inclusive), its upper end
+    is above ``win_below``."""
+    bad = []
+    for r in records:
+        if r["variant"] != "compiled":
+            continue
+        lo, hi = r["ratio_ci95"]
+        where = f"{r['dtype']} {r['bytes']} B: {r['ratio']:.2f}x [{lo:.2f}, {hi:.2f}]"
+        if lo > 1:
+            bad.append(f"slower than NCCL at {where}")
+        elif win_sizes[0] <= r["bytes"] <= win_sizes[1] and hi > win_below:
+            bad.append(f"not <= {win_below:.2f}x at {where}")
+    return bad
 
 
 _SPIN_CYCLES = 1_000_000  # ~0.5 ms: longer than the host time of any call here
@@ -125,9 +170,12 @@ def main() -> None:
     p.add_argument("--sizes", default="4K,16K,64K,256K,1M,2M,4M,16M,64M",
                    help="comma-separated message sizes in bytes (K, M suffixes)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per size, dtype and algorithm")
+    p.add_argument("--iters", type=int, default=200, help="timed calls per size, dtype and algorithm")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before them")
     p.add_argument("--json", default=None, help="also write the rows here (rank 0)")
+    p.add_argument("--win-sizes", default="2M,16M",
+                   help="LOW,HIGH bytes where auto should win by --win-below (verdict only)")
+    p.add_argument("--win-below", type=float, default=0.85, help="(verdict only)")
     p.add_argument("--write-table", action="store_true",
                    help="write the P50s as this machine's all-reduce table (CUDA; rank 0)")
     a = p.parse_args()
@@ -163,30 +211,40 @@ def main() -> None:
                 r = r.wait() if isinstance(r, funcol.AsyncCollectiveTensor) else r
                 torch.testing.assert_close(r.float(), ref, rtol=2e-2, atol=1e-2)
             samples = {k: [] for k in fns}
-            for _ in range(a.iters):
-                for k, fn in fns.items():
+            for i in range(a.iters):
+                order = list(fns)
+                random.Random(i).shuffle(order)  # the same order on every rank, each round another
+                for k in order:
                     dist.barrier()
-                    samples[k].append(time_us(fn, device))
+                    samples[k].append(time_us(fns[k], device))
             base = statistics.median(samples["nccl"])
             for k, xs in samples.items():
+                lo, ratio, hi = median_interval([x / n for x, n in zip(xs, samples["nccl"])])
                 xs = sorted(xs)
                 med = statistics.median(xs)
                 busbw = 2 * (world - 1) / world * nbytes / (med * 1e-6) / 1e9
                 rows.append(f"| {dname} | {size} | {k} | {med:.1f} | {xs[len(xs) // 10]:.1f}-"
-                            f"{xs[9 * len(xs) // 10]:.1f} | {busbw:.1f} | {med / base:.2f}x |")
+                            f"{xs[9 * len(xs) // 10]:.1f} | {busbw:.1f} | {med / base:.2f}x | "
+                            f"{ratio:.3f} [{lo:.3f}, {hi:.3f}] |")
                 records.append(dict(dtype=dname, bytes=nbytes, variant=k, p50_us=med,
-                                    busbw=busbw, vs_nccl=med / base))
+                                    busbw=busbw, vs_nccl=med / base, ratio=ratio,
+                                    ratio_ci95=[lo, hi]))
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"world": world, "device": name, "rows": records}, f)
         print(f"\n### all-reduce, {world} x {name}, torch {torch.__version__}, {a.iters} interleaved calls\n")
-        print("| dtype | bucket | variant | P50 us | P10-P90 us | bus GB/s | vs nccl |")
-        print("|---|---|---|---|---|---|---|")
+        print("| dtype | bucket | variant | P50 us | P10-P90 us | bus GB/s | P50 / nccl's | "
+              "per-call ratio to nccl: median [95%] |")
+        print("|---|---|---|---|---|---|---|---|")
         print("\n".join(rows))
+        win_sizes = tuple(parse_size(x) for x in a.win_sizes.split(","))
+        bad = auto_verdict(records, win_sizes, a.win_below)
+        print(f"\nauto (compiled) within its 95% intervals: never slower than NCCL, <= "
+              f"{a.win_below:.2f}x at {a.win_sizes}: " + ("yes" if not bad else "no: " + "; ".join(bad)))
         if a.write_table:
-            table = latency_table(records, local_machine(world))
+            table = latency_table(records, local_machine(world), a.iters)
             write_table(table, cache_path(table.machine))
             print(f"\nwrote {cache_path(table.machine)}")
     dist.destroy_process_group()

@@ -4,8 +4,9 @@ with what ``dense_allreduce=auto`` picks at each measured size.
     python scripts/plot_allreduce.py                                     # the shipped 2 x H200 table
     python scripts/plot_allreduce.py --table ~/.cache/recpipe/all_reduce/KEY.json --plot ar.png
 
-Prints a markdown table (P50 microseconds per algorithm, auto's pick and its ratio to NCCL) for
-``--dtype``, and writes a PNG (log-log, the sizes where auto leaves NCCL shaded; needs
+Prints a markdown table (P50 microseconds per algorithm, auto's pick, its P50 ratio to NCCL and,
+where the table has them, the 95% interval of the per-call ratio of each symmetric algorithm)
+for ``--dtype``, and writes a PNG (log-log, the sizes where auto leaves NCCL shaded; needs
 matplotlib).
 """
 
@@ -29,13 +30,15 @@ H200 = Machine("NVIDIA H200", 2, "", "")
 
 
 def rows(table: LatencyTable, dtype: torch.dtype) -> list[dict]:
-    """Per measured size: bytes, each algorithm's P50, auto's pick and its P50."""
+    """Per measured size: bytes, each algorithm's P50, auto's pick and its P50, and each
+    symmetric algorithm's ratio interval (``ci``: none in a schema 1 table)."""
     lat = table.dtypes[dtype_name(dtype)]
     out = []
     for i, size in enumerate(lat.sizes):
         us = {a: lat.us[a][i] for a in ALGORITHMS if a in lat.us}
         pick = table.choose(size, dtype)
-        out.append({"bytes": size, **us, "auto": pick, "auto_us": us[pick]})
+        ci = {a: lat.ci[a][i] for a in lat.ci}
+        out.append({"bytes": size, **us, "auto": pick, "auto_us": us[pick], "ci": ci})
     return out
 
 
@@ -46,12 +49,15 @@ def _size(n: int) -> str:
 def markdown(table: LatencyTable, data: list[dict]) -> str:
     algos = [a for a in ALGORITHMS if a in data[0]]
     m = table.machine
+    cis = list(data[0]["ci"])
     lines = [f"{m.device}, {m.world} ranks (torch {m.torch}, NCCL {m.nccl}). {table.note}", "",
-             "| bucket | " + " | ".join(algos) + " | auto picks | auto / NCCL |",
-             "|---" * (len(algos) + 3) + "|"]
+             "| bucket | " + " | ".join(algos) + " | auto picks | auto / NCCL |"
+             + "".join(f" {a} / NCCL, 95% |" for a in cis),
+             "|---" * (len(algos) + 3 + len(cis)) + "|"]
     for r in data:
         lines.append(f"| {_size(r['bytes'])} | " + " | ".join(f"{r[a]:.1f}" for a in algos)
-                     + f" | {r['auto']} | {r['auto_us'] / r['nccl']:.2f}x |")
+                     + f" | {r['auto']} | {r['auto_us'] / r['nccl']:.2f}x |"
+                     + "".join(f" {r['ci'][a][0]:.2f}-{r['ci'][a][1]:.2f} |" for a in cis))
     return "\n".join(lines)
 
 

@@ -1,5 +1,7 @@
 """recpipe.ops.all_reduce_table: the choice from measured latencies (never slower than NCCL on
-them), the cache and the shipped table, and errors on files that are not tables."""
+them: a symmetric algorithm only where its ratio's 95% interval shows a win), the cache and the
+shipped table (schema 1, no intervals), and errors on files that are not tables; the bench's
+rows and intervals."""
 
 from __future__ import annotations
 
@@ -26,8 +28,12 @@ K, M = 1 << 10, 1 << 20
 H200 = Machine("NVIDIA H200", 2, "2.13.0+cu130", "2.27.7")
 
 
-def _table(sizes: list[int], machine: Machine = H200, **us: list[float]) -> LatencyTable:
-    return LatencyTable(machine, {"bfloat16": Latencies(tuple(sizes), {a: tuple(t) for a, t in us.items()})})
+def _table(
+    sizes: list[int], machine: Machine = H200, ci: dict | None = None, **us: list[float],
+) -> LatencyTable:
+    latencies = Latencies(tuple(sizes), {a: tuple(t) for a, t in us.items()},
+                          {a: tuple(map(tuple, v)) for a, v in (ci or {}).items()})
+    return LatencyTable(machine, {"bfloat16": latencies})
 
 
 def _choices(table: LatencyTable, sizes: list[int], dtype: torch.dtype = torch.bfloat16) -> list[str]:
@@ -61,6 +67,17 @@ def test_the_best_worst_case_ratio_wins() -> None:
     assert _choices(table, [K, 3 * K // 2, 2 * K]) == ["one_shot", "two_shot", "two_shot"]
 
 
+def test_a_win_the_interval_does_not_show_is_nccl() -> None:
+    """With intervals, their upper end decides: a P50 win whose interval reaches 1 - MARGIN (or
+    beyond 1) is no win."""
+    table = _table([K, 2 * K, 4 * K], nccl=[10, 10, 10], one_shot=[8, 8, 8], two_shot=[9, 9, 9],
+                   ci={"one_shot": [[0.7, 0.9], [0.7, 0.98], [0.9, 1.1]],
+                       "two_shot": [[0.8, 0.95], [0.85, 0.96], [0.85, 0.99]]})
+    assert _choices(table, [K, 3 * K // 2, 2 * K, 3 * K, 4 * K]) == [
+        "one_shot", "two_shot", "two_shot", "nccl", "nccl"]
+    assert table.largest_symmetric(torch.bfloat16) == 2 * K
+
+
 def test_outside_the_measurements_is_nccl() -> None:
     table = _table([2 * K, 4 * K], nccl=[10, 10], two_shot=[1, 1])
     assert _choices(table, [K, 2 * K, 4 * K, 4 * K + 4]) == ["nccl", "two_shot", "two_shot", "nccl"]
@@ -89,12 +106,22 @@ def test_the_cache_comes_before_the_shipped_table(monkeypatch: pytest.MonkeyPatc
     assert load_table(H200._replace(world=4)) is None
 
 
-GOOD = _table([K], nccl=[10], two_shot=[5]).to_json()
+GOOD = _table([K], nccl=[10], two_shot=[5], ci={"two_shot": [[0.4, 0.6]]}).to_json()
+
+
+def test_schema_2_round_trips_and_schema_1_is_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RECPIPE_ALL_REDUCE_CACHE", str(tmp_path))
+    assert GOOD["schema"] == 2 and GOOD["dtypes"]["bfloat16"]["ratio_ci95"] == {"two_shot": [[0.4, 0.6]]}
+    cache_path(H200).write_text(json.dumps(GOOD))
+    assert load_table(H200).to_json() == GOOD
+    legacy = {**GOOD, "schema": 1, "dtypes": {"bfloat16": {"bytes": [K], "nccl": [10], "two_shot": [5]}}}
+    cache_path(H200).write_text(json.dumps(legacy))
+    assert read_table(cache_path(H200)).dtypes["bfloat16"].ci == {}
 
 
 @pytest.mark.parametrize("content, reason", [
     ("{not json", "Expecting property name"),
-    (json.dumps({**GOOD, "schema": 2}), "'schema' is not 1"),
+    (json.dumps({**GOOD, "schema": 3}), "'schema' is not one of (1, 2)"),
     (json.dumps({**GOOD, "world": "2"}), "'world' must be of type int"),
     (json.dumps({**GOOD, "dtypes": {"bfloat16": {"bytes": [K], "nccl": [10], "three_shot": [1]}}}),
      "unknown algorithm 'three_shot'"),
@@ -103,6 +130,12 @@ GOOD = _table([K], nccl=[10], two_shot=[5]).to_json()
     (json.dumps({**GOOD, "dtypes": {"bfloat16": {"bytes": [2 * K, K], "nccl": [10, 10]}}}),
      "'bytes' must be increasing"),
     (json.dumps({**GOOD, "device": "NVIDIA H100 80GB HBM3"}), "holds a table for"),
+    (json.dumps({**GOOD, "dtypes": {"bfloat16": {"bytes": [K], "nccl": [10], "two_shot": [5],
+                                                 "ratio_ci95": {"two_shot": [[0.6, 0.4]]}}}}),
+     "'ratio_ci95' of 'two_shot' must hold an interval [low, high] per size"),
+    (json.dumps({**GOOD, "dtypes": {"bfloat16": {"bytes": [K], "nccl": [10],
+                                                 "ratio_ci95": {"two_shot": [[0.4, 0.6]]}}}}),
+     "'ratio_ci95' of 'two_shot': not a measured symmetric algorithm"),
 ])
 def test_a_file_that_is_not_the_table_is_a_one_line_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str, reason: str,
@@ -116,14 +149,43 @@ def test_a_file_that_is_not_the_table_is_a_one_line_error(
     assert "delete it, or rewrite it with scripts/bench_allreduce.py --write-table" in message
 
 
-def test_bench_rows_make_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--write-table``: one-shot is the slower of its eager (copy) and compiled (in place) runs."""
+@pytest.fixture(name="bench")
+def bench_fixture(monkeypatch: pytest.MonkeyPatch) -> object:
+    """scripts/bench_allreduce.py as a module."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    bench = importlib.import_module("bench_allreduce")
+    return importlib.import_module("bench_allreduce")
+
+
+def test_bench_rows_make_the_table(bench: object) -> None:
+    """``--write-table``: one-shot is the slower of its eager (copy) and compiled (in place) runs,
+    with the interval whose upper end is higher."""
     p50 = {"nccl": [10, 20], "symm_one_shot": [6, 30], "compiled_one_shot": [7, 25],
            "symm_two_shot": [8, 12], "compiled": [7, 12]}
-    records = [dict(dtype="bfloat16", bytes=n, variant=v, p50_us=us[i])
+    ci = {"nccl": [[1, 1]] * 2, "symm_one_shot": [[0.5, 0.7], [1.4, 1.6]],
+          "compiled_one_shot": [[0.6, 0.8], [1.2, 1.3]], "symm_two_shot": [[0.7, 0.9], [0.5, 0.7]],
+          "compiled": [[0.6, 0.8], [0.5, 0.7]]}
+    records = [dict(dtype="bfloat16", bytes=n, variant=v, p50_us=us[i], ratio_ci95=ci[v][i])
                for i, n in enumerate([2 * K, K]) for v, us in p50.items()]
-    table = bench.latency_table(records, H200)
-    assert table.machine == H200
-    assert table.dtypes == _table([K, 2 * K], nccl=[20, 10], one_shot=[30, 7], two_shot=[12, 8]).dtypes
+    table = bench.latency_table(records, H200, calls=200)
+    assert table.machine == H200 and "200 interleaved calls" in table.note
+    assert table.dtypes == _table([K, 2 * K], nccl=[20, 10], one_shot=[30, 7], two_shot=[12, 8],
+                                  ci={"one_shot": [[1.4, 1.6], [0.6, 0.8]],
+                                      "two_shot": [[0.5, 0.7], [0.7, 0.9]]}).dtypes
+
+
+def test_median_interval_is_the_order_statistics_around_the_median(bench: object) -> None:
+    xs = [float(x) for x in range(1, 201)]  # 200 calls: the 86th and 114th of 200
+    assert bench.median_interval(xs[::-1]) == (86.0, 100.5, 114.0)
+    assert bench.median_interval([3.0, 1.0, 2.0]) == (1.0, 2.0, 3.0)  # few: the whole range
+
+
+def test_auto_verdict_names_a_loss_and_a_missed_win(bench: object) -> None:
+    def row(nbytes: int, ratio: float, lo: float, hi: float) -> dict:
+        return dict(dtype="bfloat16", bytes=nbytes, variant="compiled", ratio=ratio, ratio_ci95=[lo, hi])
+
+    records = [row(4 * K, 1.01, 0.98, 1.04), row(M, 1.05, 1.02, 1.08), row(4 * M, 0.8, 0.78, 0.83),
+               row(8 * M, 0.84, 0.8, 0.9), dict(row(K, 2, 2, 2), variant="nccl")]
+    assert bench.auto_verdict(records, (2 * M, 16 * M), 0.85) == [
+        "slower than NCCL at bfloat16 1048576 B: 1.05x [1.02, 1.08]",
+        "not <= 0.85x at bfloat16 8388608 B: 0.84x [0.80, 0.90]",
+    ]
