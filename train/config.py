@@ -5,21 +5,29 @@ key); :func:`validate` checks values (``steps > 0``...) and what this machine ca
 row-wise sharding) before torchrec is called, raising :class:`UsageError` with one line that
 names the key and what to do. This module imports neither torch nor torchrec, and a bad value
 fails before :func:`validate` imports them: a config error takes about 1 s, torch alone 3.
+
+Each key's one-line help is its dataclass field's ``help`` metadata (:func:`_key`), which
+``--help`` prints (:func:`help_text`): the one place a key is documented.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field, fields, is_dataclass
 from itertools import takewhile
-from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 SCHEMAS = ("synthetic", "criteo", "movielens", "criteo_tsv")
 MAX_LR = 100.0  # above this every optimizer offered diverges on every model here
+#: the name of each group's schema in Hydra's ConfigStore (``<group>_schema``), no option to show
+SCHEMA_SUFFIX = "_schema"
+#: the resolver that configs/train.yaml's ``hydra.help.template`` calls (:func:`help_text`)
+HELP_RESOLVER = "recpipe_help"
 
 
 class UsageError(Exception):
@@ -33,100 +41,164 @@ class UsageError(Exception):
     together: bool = False
 
 
+def _key(default: Any, help: str) -> Any:
+    """A config key: its default and its one-line ``help``, which ``--help`` prints
+    (:func:`help_text`); a list default is copied for each instance."""
+    if isinstance(default, list):
+        return field(default_factory=default.copy, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelConfig:
-    num_tables: int = 4  # per sparse module
-    rows: int = 1000
-    dim: int = 16
-    weighted: bool = True  # a weighted EmbeddingBagCollection too
-    sequence: bool = True  # an EmbeddingCollection too
-    over_arch: list[int] = field(default_factory=lambda: [64])  # hidden widths of the over-arch MLP
+    num_tables: int = _key(4, "embedding tables per sparse module (data=synthetic)")
+    rows: int = _key(1000, "rows per embedding table (criteo_tsv: hash buckets per id column)")
+    dim: int = _key(16, "embedding dimension of every table (a multiple of 4)")
+    weighted: bool = _key(True, "a weighted EmbeddingBagCollection too (data=synthetic)")
+    sequence: bool = _key(True, "an EmbeddingCollection too (data=synthetic)")
+    over_arch: list[int] = _key([64], "hidden widths of the over-arch MLP (not criteo_tsv)")
 
 
 @dataclass
 class DataConfig:
-    schema: str = "synthetic"  # synthetic | criteo (13 dense + 26 sparse features) | movielens | criteo_tsv
-    batch_size: int = 64  # per rank
-    pooling: int = 4  # mean ids per sample and feature
-    zipf: float = 1.1
-    dense_in: int = 13
-    seed: int = 0
-    path: str | None = None  # movielens: the converted .npz; criteo_tsv: a file or directory
-    eval_fraction: float = 0.2  # movielens: the last (time-ordered) fraction is the eval part
-    max_history: int = 20  # movielens: cap on the user's earlier items per sample
-    # movielens: whose labels the user/item positive-rate features see: "earlier" (every event
-    # strictly earlier in time, as a live system knows them) | "train" (the training part's)
-    label_scope: str = "earlier"
+    schema: str = _key("synthetic", "synthetic | criteo (synthetic, Criteo's 13 dense + 26 "
+                                    "sparse features) | movielens | criteo_tsv")
+    batch_size: int = _key(64, "samples per rank and step")
+    pooling: int = _key(4, "mean ids per sample and feature (synthetic, criteo)")
+    zipf: float = _key(1.1, "Zipf exponent of the ids (synthetic, criteo)")
+    dense_in: int = _key(13, "dense features (data=synthetic)")
+    seed: int = _key(0, "orders the batches (trainer.seed initializes the model)")
+    path: str | None = _key(None, "movielens: the .npz (null: the default file); criteo_tsv: "
+                                  "a TSV file or a directory of them")
+    eval_fraction: float = _key(0.2, "the last fraction of the data, held out for evaluation "
+                                     "(movielens, criteo_tsv)")
+    max_history: int = _key(20, "movielens: cap on the user's earlier items per sample")
+    label_scope: str = _key("earlier", "movielens: the labels the positive-rate features see: "
+                                       "earlier (all earlier events) | train (the training part's)")
 
 
 @dataclass
 class ShardingConfig:
-    types: list[str] = field(default_factory=lambda: ["table_wise", "column_wise"])
+    types: list[str] = _key(["table_wise", "column_wise"],
+                            f"the tables' sharding types, in turn: {' | '.join(SHARDING_TYPES)}")
 
 
 @dataclass
 class PipelineConfig:
-    name: str = "recpipe"  # recpipe | torchrec
-    # dense-gradient all-reduce: ddp (torchrec's default) | nccl (recpipe's bucketed all-reduce,
-    # compiled, through functional collectives: NCCL, gloo on CPU) | symm_mem (the same through
-    # symmetric memory; CUDA, inside one node) | auto (per bucket, the fastest of NCCL and the
-    # symmetric algorithms in the machine's measured table, recpipe.ops.all_reduce_table; NCCL
-    # where nothing was measured)
-    dense_allreduce: str = "ddp"
+    name: str = _key("recpipe", "the training pipeline: recpipe | torchrec")
+    # nccl: recpipe's bucketed all-reduce, compiled, through functional collectives (NCCL, gloo
+    # on CPU); symm_mem: the same through symmetric memory; auto: per bucket, the fastest of NCCL
+    # and the symmetric algorithms in the machine's measured table (recpipe.ops.all_reduce_table),
+    # NCCL where nothing was measured
+    dense_allreduce: str = _key("ddp", "dense-gradient all-reduce: ddp (torchrec's) | nccl | "
+                                       "symm_mem (CUDA, one node) | auto (the fastest measured)")
 
 
 @dataclass
 class HardwareConfig:
-    device: str = "cpu"  # cpu | cuda
-    backend: str = "gloo"  # gloo | nccl
-    # the planner's link bandwidths, GB/s per GPU and direction (recpipe.pipeline.topology):
-    # inside a node (H200 NVLink) and across nodes (a 400 Gb/s NIC per GPU)
-    intra_node_gb_s: float = 450.0  # = recpipe.pipeline.topology.INTRA_NODE_GB_S (tested)
-    inter_node_gb_s: float = 50.0  # = recpipe.pipeline.topology.INTER_NODE_GB_S (tested)
+    device: str = _key("cpu", "where the ranks compute: cpu | cuda (one GPU per rank)")
+    backend: str = _key("gloo", "the process group's backend: gloo | nccl (with cuda)")
+    # recpipe.pipeline.topology's INTRA_NODE_GB_S (H200 NVLink) and INTER_NODE_GB_S (a 400 Gb/s
+    # NIC per GPU): tests check the defaults equal them
+    intra_node_gb_s: float = _key(450.0, "the planner's link bandwidth inside a node, GB/s per "
+                                         "GPU and direction")
+    inter_node_gb_s: float = _key(50.0, "the planner's link bandwidth across nodes, GB/s per "
+                                        "GPU and direction")
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 300
-    lr: float = 0.05
-    optimizer: str = "sgd"  # sgd | adagrad
-    log_interval: int = 25
-    seed: int = 1
-    checkpoint_dir: str | None = None  # default: <run dir>/checkpoint
-    # a checkpoint every checkpoint_interval steps or checkpoint_minutes of wall time, whichever
-    # comes first (0: not by that measure), at the end and on SIGINT/SIGTERM
-    checkpoint_interval: int = 1000
-    checkpoint_minutes: float = 10.0
-    keep_checkpoints: int = 3  # the newest N complete checkpoints stay; 0: all
-    checkpoint: bool = True  # false: write no checkpoint at all (benchmark runs)
-    resume: bool = False  # continue from checkpoint_dir's latest checkpoint
-    overwrite: bool = False  # a fresh run may delete the checkpoints already in checkpoint_dir
-    stop_after: int | None = None  # stop (as if interrupted) after this step
-    eval: bool = True  # evaluate on the data source's held-out batches
-    eval_interval: int = 0  # steps between evaluations; 0: at the end only
-    deterministic: bool = False  # deterministic GPU kernels: repeatable losses, slower
+    steps: int = _key(300, "train to this step (counted from the run's start, resumed or not)")
+    lr: float = _key(0.05, f"learning rate (finite, > 0, <= {MAX_LR:g})")
+    optimizer: str = _key("sgd", "sgd | adagrad")
+    log_interval: int = _key(25, "steps between progress lines (metrics rows)")
+    seed: int = _key(1, "initializes the model (data.seed orders the batches)")
+    checkpoint_dir: str | None = _key(None, "where checkpoints go (null: <run dir>/checkpoint)")
+    checkpoint_interval: int = _key(1000, "a checkpoint every N steps (0: not by steps); also at "
+                                          "the end and on SIGINT/SIGTERM")
+    checkpoint_minutes: float = _key(10.0, "a checkpoint every N minutes of wall time (0: not by "
+                                           "time), whichever of the two comes first")
+    keep_checkpoints: int = _key(3, "the newest N complete checkpoints stay (0: all)")
+    checkpoint: bool = _key(True, "false: write no checkpoint at all (benchmark runs)")
+    resume: bool = _key(False, "continue checkpoint_dir's latest checkpoint (same config, "
+                               "steps beyond it)")
+    overwrite: bool = _key(False, "a fresh run may delete the checkpoints already in "
+                                  "checkpoint_dir")
+    stop_after: int | None = _key(None, "stop (as if interrupted) after this step")
+    eval: bool = _key(True, "evaluate on the data's held-out batches")
+    eval_interval: int = _key(0, "steps between evaluations (0: at the end only)")
+    deterministic: bool = _key(False, "deterministic GPU kernels: repeatable losses, slower")
 
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    sharding: ShardingConfig = MISSING
-    pipeline: PipelineConfig = MISSING
-    hardware: HardwareConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    output_dir: str = "outputs"
+    model: ModelConfig = _key(MISSING, "the model's tables and MLP")
+    data: DataConfig = _key(MISSING, "the data set and its batches")
+    sharding: ShardingConfig = _key(MISSING, "how the embedding tables are sharded")
+    pipeline: PipelineConfig = _key(MISSING, "the training pipeline and dense all-reduce")
+    hardware: HardwareConfig = _key(MISSING, "the device, backend and links")
+    trainer: TrainerConfig = _key(MISSING, "steps, optimizer, checkpoints, evaluation")
+    output_dir: str = _key("outputs", "where run directories go (<output_dir>/<time>-<pipeline>/)")
+
+
+def _groups() -> dict[str, type]:
+    """The config groups (:class:`TrainConfig`'s fields that are config dataclasses): name,
+    dataclass."""
+    return {k: v for k, v in get_type_hints(TrainConfig).items() if is_dataclass(v)}
 
 
 def register() -> None:
-    """Register the schemas with Hydra (``configs/*/*.yaml`` extend them)."""
+    """Register the schemas with Hydra (``configs/*/*.yaml`` extend them) and ``--help``'s
+    resolver (:data:`HELP_RESOLVER`)."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for group, node in (
-        ("model", ModelConfig), ("data", DataConfig), ("sharding", ShardingConfig),
-        ("pipeline", PipelineConfig), ("hardware", HardwareConfig), ("trainer", TrainerConfig),
-    ):
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    cs.store(name=f"train{SCHEMA_SUFFIX}", node=TrainConfig)
+    for group, node in _groups().items():
+        cs.store(group=group, name=f"{group}{SCHEMA_SUFFIX}", node=node)
+    OmegaConf.register_new_resolver(HELP_RESOLVER, _help_template, replace=True)
+
+
+def _help_template(*, _root_: DictConfig) -> str:
+    """:func:`help_text` for Hydra's help template, a string.Template (``$`` doubled)."""
+    return help_text(_root_).replace("$", "$$")
+
+
+def help_text(root: DictConfig) -> str:
+    """``--help``'s body for ``root``, the config Hydra composed from the command line: each
+    group with this command line's option, its help and its options (not Hydra's list, which
+    holds the ``*_schema`` entries), then every key with this command line's value and its help
+    (the fields' ``help`` metadata)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    helps = {f.name: f.metadata["help"] for f in fields(TrainConfig)}
+    groups, keys = [], []
+    for group, schema in _groups().items():
+        options = sorted(o for o in loader.get_group_options(group)
+                         if not o.endswith(SCHEMA_SUFFIX))
+        groups.append((f"{group}={root.hydra.runtime.choices[group]}",
+                       f"{helps.pop(group)}: {', '.join(options)}"))
+        values = OmegaConf.to_container(root[group], resolve=True)
+        keys += [(f"{group}.{f.name}={_shown(values[f.name])}", f.metadata["help"])
+                 for f in fields(schema)]
+    keys += [(f"{k}={_shown(root[k])}", h) for k, h in helps.items()]  # the top-level keys
+    return (f"== Groups (GROUP=OPTION: this command line's; then the options) ==\n"
+            f"{_table(groups)}\n== Keys (KEY=VALUE: this command line's value) ==\n{_table(keys)}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an override writes it: ``true``, ``null``, ``[64,32]``."""
+    if isinstance(value, list):
+        return f"[{','.join(map(_shown, value))}]"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _table(rows: list[tuple[str, str]], widest: int = 36) -> str:
+    """``rows`` as lines, the second column aligned (after a first column of up to ``widest``
+    characters)."""
+    width = min(max(len(a) for a, _ in rows), widest)
+    return "".join(f"{a:<{width}}  {b}\n" for a, b in rows)
 
 
 def save_yaml(cfg: TrainConfig, path: str) -> None:
@@ -253,7 +325,7 @@ def composition_error(config_dir: str, config_name: str, overrides: list[str]) -
         if "Could not find" in lines[0]:  # an unknown group option: Hydra lists the group's
             listed = next((i for i, x in enumerate(lines) if x.startswith("Available")), len(lines))
             names = takewhile(lambda x: x.startswith("\t"), lines[listed + 1:])
-            names = [x.strip() for x in names if not x.endswith("_schema")]
+            names = [x.strip() for x in names if not x.endswith(SCHEMA_SUFFIX)]
             return f"{lines[0]}: pick one of {', '.join(names)}"
         cause = e.__cause__ and str(e.__cause__).splitlines()[0]
         if cause:  # a key typo, a wrong type: OmegaConf's reason
