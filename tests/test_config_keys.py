@@ -1,6 +1,7 @@
-"""Config keys as the command line sees them (issue 40, case 11): ``--help`` lists the groups
-without Hydra's ``*_schema`` entries and every key with this command line's value and its help
-(the dataclass fields' ``help`` metadata)."""
+"""Config keys as the command line sees them (issue 40, cases 5 and 11): a key added with ``+``
+that the schema lacks fails in one line naming the closest key, before torch is imported; and
+``--help`` lists the groups without Hydra's ``*_schema`` entries and every key with this command
+line's value and its help (the dataclass fields' ``help`` metadata)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from recpipe.train.config import (DataConfig, HardwareConfig, ModelConfig, PipelineConfig,
-                                  ShardingConfig, TrainConfig, TrainerConfig, register)
+                                  ShardingConfig, TrainConfig, TrainerConfig, composition_error,
+                                  register)
 
 register()  # the schemas the configs extend
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +22,27 @@ SCRIPT = str(ROOT / "scripts" / "train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 GROUPS = {"model": ModelConfig, "data": DataConfig, "sharding": ShardingConfig,
           "pipeline": PipelineConfig, "hardware": HardwareConfig, "trainer": TrainerConfig}
+
+ADDED = {  # a key added with + or ++: the line composition_error gives
+    "+trainer.stepz=3": "no config key 'trainer.stepz': did you mean trainer.steps?",
+    "++model.dimm=8": "no config key 'model.dimm': did you mean model.dim?",
+    "+data.zzz=1": "no config key 'data.zzz': the keys are data.batch_size, data.dense_in, "
+                   "data.eval_fraction, data.label_scope, data.max_history, data.path, "
+                   "data.pooling, data.schema, data.seed, data.zipf",
+    "+outptu_dir=x": "no top-level config key 'outptu_dir': did you mean output_dir?",
+}
+
+
+def test_a_key_added_with_plus_fails_naming_the_closest_key_before_torch_loads() -> None:
+    for override, message in ADDED.items():
+        assert composition_error(str(ROOT / "configs"), "train", [override]) == message
+    assert composition_error(str(ROOT / "configs"), "train", ["++trainer.steps=3"]) is None
+    run = ("import sys; from recpipe.train.cli import main; sys.argv[1:] = ['+trainer.stepz=3']\n"
+           "try: main()\nexcept SystemExit as e: print(e.code, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", run], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert (r.stdout, r.stderr) == ("1 False\n", f"error: {ADDED['+trainer.stepz=3']}\n")
+
 
 def test_help_lists_the_options_and_every_key_with_its_help() -> None:
     r = subprocess.run([sys.executable, SCRIPT, "data=synthetic", "trainer.steps=7", "--help"],

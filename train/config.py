@@ -1,9 +1,10 @@
 """Structured (dataclass) configs of the training job; Hydra's schema for configs/.
 
 Unknown keys and wrongly typed values fail when Hydra composes the config (OmegaConf names the
-key); :func:`validate` checks values (``steps > 0``...) and what this machine can run (CUDA,
-row-wise sharding) before torchrec is called, raising :class:`UsageError` with one line that
-names the key and what to do. This module imports neither torch nor torchrec, and a bad value
+key; :func:`unknown_key` finds those ``+key=value`` adds, which Hydra lets through);
+:func:`validate` checks values (``steps > 0``...) and what this machine can run (CUDA, row-wise
+sharding) before torchrec is called, raising :class:`UsageError` with one line that names the
+key and what to do. This module imports neither torch nor torchrec, and a bad value
 fails before :func:`validate` imports them: a config error takes about 1 s, torch alone 3.
 
 Each key's one-line help is its dataclass field's ``help`` metadata (:func:`_key`), which
@@ -12,6 +13,7 @@ Each key's one-line help is its dataclass field's ``help`` metadata (:func:`_key
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -331,9 +333,23 @@ def composition_error(config_dir: str, config_name: str, overrides: list[str]) -
         if cause:  # a key typo, a wrong type: OmegaConf's reason
             return f"{lines[0].rstrip('.')}: {cause} (the keys and types: recpipe.train.config)"
         return " ".join(x.strip() for x in lines[:2])  # the override grammar
-    known = {f.name for f in fields(TrainConfig)} | {"hydra"}
-    extra = sorted(set(cfg) - known)  # the root is not a struct: +key=value would be ignored
-    if extra:
-        return (f"no top-level config key {', '.join(map(repr, extra))}: the keys are "
-                f"{', '.join(sorted(known - {'hydra'}))}")
+    return unknown_key(cfg)
+
+
+def unknown_key(cfg: DictConfig, schema: type = TrainConfig, prefix: str = "") -> str | None:
+    """One line for the first key of ``cfg`` that the config dataclass ``schema`` lacks (at
+    ``prefix``), looking into its groups, naming the closest key or else its level's keys; None
+    if there is none. ``+key=value`` adds such a key: Hydra composes it, and the job would
+    ignore it."""
+    types = get_type_hints(schema)
+    for key in cfg:
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=1)  # names, not the prefix
+            hint = (f"did you mean {prefix}{close[0]}?" if close else
+                    f"the keys are {', '.join(prefix + k for k in sorted(types))}")
+            return f"no {'' if prefix else 'top-level '}config key {prefix + key!r}: {hint}"
+        if is_dataclass(types[key]):
+            error = unknown_key(cfg[key], types[key], f"{prefix}{key}.")
+            if error:
+                return error
     return None
