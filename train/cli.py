@@ -14,16 +14,24 @@ trainer; the schema and value checks: recpipe.train.config. Output (rank 0):
 <output_dir>/<time>-<pipeline>/ with config.yaml, metrics.jsonl and checkpoint/ (unless
 trainer.checkpoint_dir is given).
 
-Exit status and what is printed (rank 0, on stderr):
+Exit status and what is printed (rank 0, on stderr), from the first import on:
 
 - 1, one line ``error: ...``: a usage problem (a key or value Hydra cannot compose, a bad value,
-  an option this machine cannot run, a checkpoint directory that cannot be used as asked, a
-  diverged loss); a config error fails before torch is imported (in about 1 s).
-- 1, one line ``error: ...`` naming a log file with the traceback: any other exception
-  (``<run dir>/error-rank<R>.log``, or ``<output_dir>/`` before the run directory exists) and
-  the checkpoint to resume from. ``RECPIPE_TRACEBACK=1`` prints the traceback here instead.
-- 130/143: SIGINT/SIGTERM finish the current step, save a checkpoint and end with one line
-  naming it and the command that resumes it.
+  an option this machine cannot run, a checkpoint or output directory that cannot be used as
+  asked, a diverged loss); a config error fails before torch is imported (in about 1 s).
+- 1, one line ``error: ...`` naming the command that installs what is missing: Hydra or another
+  package of the ``train`` extra (``pip install 'recpipe[train]'``), torchrec (on CPU and GPU).
+- 1, one line ``error: ...`` naming a log file with the traceback: any other exception,
+  ``BaseException`` subclasses such as DCP's CheckpointException too (``<run
+  dir>/error-rank<R>.log``, or ``<output_dir>/`` before the run directory exists; a new file in
+  the temporary directory where that cannot be written or before the config is read), in a
+  user's words where they are known (``no space left on device: <dir>``), and the checkpoint to
+  resume from with the command that resumes it. ``RECPIPE_TRACEBACK=1`` prints the traceback
+  here instead.
+- 130/143: SIGINT/SIGTERM finish the current step (or stop an evaluation), save a checkpoint and
+  end with one line naming it and the command that resumes it (after the last step: the
+  checkpoint alone).
+- 0 at ``trainer.stop_after``: the last line names the checkpoint and the command that resumes it.
 
 The resume command repeats how this run was started (:func:`_program`): ``python -m
 recpipe.train``, the ``recpipe-train`` script, or ``python scripts/train.py``, with this
@@ -38,28 +46,40 @@ traceback) after our line, which it names as the root cause.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shlex
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
-
-from recpipe.train.config import UsageError, composition_error, register, validate
 from recpipe.train.torchrun import LAUNCHER_ENV
 
 if TYPE_CHECKING:  # torch loads in 3 s: imported once the config is valid
     import torch
 
-register()
+    from recpipe.train.trainer import TrainingInterrupted
+
+try:  # the train extra's: where an import fails (or is interrupted), main() says so in one line
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    from recpipe.train.config import UsageError, composition_error, register, validate
+except BaseException as e:  # noqa: BLE001 (SystemExit and Ctrl-C too: main() ends with them)
+    _import_failure: BaseException | None = e
+else:
+    _import_failure = None
+    register()
 log = logging.getLogger("recpipe")
 
 #: set to 1: an unexpected exception's traceback on stderr, not in a file
@@ -147,9 +167,10 @@ def _program() -> list[str]:
     return [sys.argv[0]]
 
 
-def _resume_command(checkpoint_dir: str) -> str:
-    """This run's command line, continuing from ``checkpoint_dir``."""
-    skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite")
+def _resume_command(checkpoint_dir: str, drop: tuple[str, ...] = ()) -> str:
+    """This run's command line, continuing from ``checkpoint_dir``, without the overrides of the
+    keys in ``drop``."""
+    skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite", *drop)
     overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") not in skip]
     world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", "1")
     python = shlex.quote(sys.executable)  # this environment's interpreter, not a bare `python`
@@ -185,13 +206,40 @@ def _end(status: int, line: str, together: bool = True) -> NoReturn:
     raise SystemExit(status)
 
 
-def _unexpected(exc: BaseException, directory: str, checkpoint: tuple[str, str] | None) -> str:
-    """The ``error:`` line for an exception that is no usage error: its type and message's
-    first line, where its traceback went (:func:`_keep_traceback`) and, with ``checkpoint``
-    (step directory, checkpoint directory), how to resume."""
-    what = (str(exc).strip().splitlines() or [""])[0][:300]
+def _interrupted(e: TrainingInterrupted, steps: int) -> str:
+    """The line for a run a signal stopped after step ``e.step`` (of ``steps``): its checkpoint
+    and the command that resumes it; after the last step (in the final evaluation: nothing left
+    to train) the checkpoint alone."""
+    name = signal.Signals(e.signum).name
+    if not e.checkpoint:
+        return f"interrupted ({name}) after step {e.step}: no checkpoint (trainer.checkpoint=false)"
+    if e.step == steps:
+        return (f"interrupted ({name}) in the final evaluation: all {steps} steps are trained and "
+                f"saved in checkpoint {e.checkpoint}")
+    return (f"interrupted ({name}) after step {e.step}: checkpoint {e.checkpoint}; resume with: "
+            f"{_resume_command(e.checkpoint_dir)}")
+
+
+def _unexpected(exc: BaseException, directory: str | None, checkpoint: tuple[str, str] | None) -> str:
+    """The ``error:`` line for an exception that is no usage error: its cause
+    (:func:`_cause`), where its traceback went (:func:`_keep_traceback`) and, with
+    ``checkpoint`` (step directory, checkpoint directory), how to resume."""
     where = _keep_traceback("".join(traceback.format_exception(exc)), directory)
-    return f"error: {type(exc).__name__}{': ' * bool(what)}{what} ({where}){_resume_hint(checkpoint)}"
+    return f"error: {_cause(exc, directory)} ({where}){_resume_hint(checkpoint)}"
+
+
+#: the errors of a full disk or quota
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _cause(exc: BaseException, directory: str | None) -> str:
+    """``exc`` on one line: a full disk (or quota) in a user's words, ``no space left on device:
+    <path>`` (the file or directory, else ``directory``); any other its type and the first line
+    of its message."""
+    if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+        return f"{exc.strerror[:1].lower()}{exc.strerror[1:]}: {exc.filename or directory}"
+    what = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}{': ' * bool(what)}{what}"
 
 
 def _resume_hint(checkpoint: tuple[str, str] | None) -> str:
@@ -202,21 +250,46 @@ def _resume_hint(checkpoint: tuple[str, str] | None) -> str:
     return f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1])}"
 
 
-def _keep_traceback(text: str, directory: str) -> str:
-    """Write ``text`` (a traceback) into ``directory/error-rank<R>.log``, or on stderr with
-    ``RECPIPE_TRACEBACK=1`` or where that file cannot be written; returns where, in words."""
+def _keep_traceback(text: str, directory: str | None) -> str:
+    """Write ``text`` (a traceback) into ``directory/error-rank<R>.log``, else (no
+    ``directory``, or one that cannot be written: read-only, a full disk) into a new
+    ``recpipe-error-rank<R>-*.log`` in the temporary directory; on stderr with
+    ``RECPIPE_TRACEBACK=1`` or where neither can be written. Returns where, in words."""
     failed = ""
     if os.environ.get(TRACEBACK_ENV, "0") in ("", "0"):
-        path = os.path.join(directory, f"error-rank{_rank()}.log")
+        name = f"error-rank{_rank()}"
         try:
-            os.makedirs(directory, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text)
+            path = _write_log(text, directory, name) or _write_temporary(text, f"recpipe-{name}-")
             return f"the traceback is in {path}; {TRACEBACK_ENV}=1 prints it here"
         except OSError as e:
-            failed = f"; {path}: {e.strerror}"
+            failed = f"; {tempfile.gettempdir()}: {e.strerror}"
     print(text, end="", file=sys.stderr, flush=True)
     return f"the traceback is above{failed}"
+
+
+def _write_log(text: str, directory: str | None, name: str) -> str | None:
+    """``text`` into ``directory/<name>.log``; returns that path, or None where there is no
+    ``directory`` or it cannot be written (nothing is left of the attempt)."""
+    if directory is None:
+        return None
+    path = os.path.join(directory, f"{name}.log")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+    except OSError:
+        with suppress(OSError):
+            os.remove(path)
+        return None
+
+
+def _write_temporary(text: str, prefix: str) -> str:
+    """``text`` into a new file ``<prefix>*.log`` in the temporary directory; returns its path."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _run(dcfg: DictConfig) -> None:
@@ -231,13 +304,11 @@ def _run(dcfg: DictConfig) -> None:
     from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
 
     _quiet_torch()
+    going_on = partial(_resume_command, drop=("trainer.stop_after",))  # after stop_after: without it
     try:
-        train(cfg, device)
+        train(cfg, device, resume_command=going_on)
     except TrainingInterrupted as e:
-        where = (f"checkpoint {e.checkpoint}; resume with: {_resume_command(e.checkpoint_dir)}"
-                 if e.checkpoint else "no checkpoint (trainer.checkpoint=false)")
-        _end(128 + e.signum,
-             f"interrupted ({signal.Signals(e.signum).name}) after step {e.step}: {where}")
+        _end(128 + e.signum, _interrupted(e, cfg.trainer.steps))
     except RunFailed as e:
         _end(1, _unexpected(e.__cause__, e.run_dir or cfg.output_dir, e.checkpoint), e.together)
     except UsageError as e:  # here, before the process group goes: the other ranks see it after
@@ -254,17 +325,47 @@ def _run(dcfg: DictConfig) -> None:
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-@hydra.main(config_path=CONFIGS, config_name="train", version_base=None)
 def _hydra_main(dcfg: DictConfig) -> None:
+    """One job of Hydra's (:func:`main`): :func:`_run`, any failure outside training (the
+    process group, the imports of torch and torchrec...) in one line too."""
     _console(_rank())
+    with _caught(dcfg.output_dir):
+        try:
+            _run(dcfg)
+        except UsageError as e:
+            _end(1, f"error: {e}{_resume_hint(e.checkpoint)}")
+
+
+@contextmanager
+def _caught(directory: str | None) -> Iterator[None]:
+    """The catch-all: an exception out of the block ends the process with one line. Ctrl-C:
+    status 130; a package this environment lacks: :func:`_not_installed`; any other,
+    ``BaseException`` subclasses too: :func:`_unexpected`, the traceback in ``directory`` (None:
+    the temporary directory). SystemExit (:func:`_end`) passes."""
     try:
-        _run(dcfg)
-    except UsageError as e:
-        _end(1, f"error: {e}{_resume_hint(e.checkpoint)}")
+        yield
+    except SystemExit:
+        raise
     except KeyboardInterrupt:
         _end(130, "interrupted before training started: nothing saved")
-    except Exception as e:  # outside training (the process group...): as RunFailed
-        _end(1, _unexpected(e, dcfg.output_dir, None))
+    except BaseException as e:  # noqa: BLE001
+        _end(1, _not_installed(e) or _unexpected(e, directory, None))
+
+
+#: the top-level modules of the ``train`` extra (pyproject.toml) that the training imports
+TRAIN_EXTRA = ("hydra", "omegaconf", "torchmetrics", "tqdm")
+
+
+def _not_installed(e: BaseException) -> str | None:
+    """The line for a package missing from this environment, naming the command that installs
+    it: a module of the ``train`` extra, or torchrec (recpipe.pipeline's ImportError, named
+    ``torchrec``, says how on CPU and GPU); None for any other exception."""
+    if not isinstance(e, ImportError):
+        return None
+    package = (e.name or "").partition(".")[0]
+    if package in TRAIN_EXTRA:
+        return f"error: {e}: install the training app's packages: pip install 'recpipe[train]'"
+    return f"error: {e}" if package == "torchrec" else None
 
 
 def _check_overrides(args: list[str]) -> None:
@@ -279,6 +380,10 @@ def _check_overrides(args: list[str]) -> None:
 
 def main() -> None:
     """The command line (``recpipe-train``, ``python -m recpipe.train``, ``scripts/train.py``):
-    overrides Hydra cannot compose fail with one line, then Hydra runs the job(s)."""
-    _check_overrides(sys.argv[1:])
-    _hydra_main()
+    overrides Hydra cannot compose fail with one line, then Hydra runs the job(s). Whatever
+    fails from this module's imports on ends in one line (:func:`_caught`)."""
+    with _caught(None):
+        if _import_failure is not None:
+            raise _import_failure
+        _check_overrides(sys.argv[1:])
+        hydra.main(config_path=CONFIGS, config_name="train", version_base=None)(_hydra_main)()

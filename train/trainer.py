@@ -8,7 +8,8 @@ and a checkpoint keeps the steps not yet in a metrics row (:class:`_Window`), so
 at any step k logs the rows of an uninterrupted run, bit for bit (``samples_per_s`` aside).
 Evaluation (``trainer.eval_interval`` and at the end) runs the source's held-out batches
 through the model taken off the pipeline (``detach``/``attach``): the training losses are the
-same with and without it. The last step is saved before its evaluation.
+same with and without it. The last step is saved before its evaluation. A SIGINT/SIGTERM stops
+an evaluation before its next batch (the final one too: the run ends interrupted, saved).
 
 Every rank takes the same decisions at the same step: at world size > 1 one all-reduce of four
 flags per step on a gloo group (a SIGINT/SIGTERM on any rank, a checkpoint due on rank 0's clock,
@@ -19,20 +20,23 @@ stop, save or fail together.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from itertools import count
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 from tqdm import tqdm
@@ -52,8 +56,9 @@ log = logging.getLogger(__name__)
 
 
 class TrainingInterrupted(Exception):
-    """SIGINT/SIGTERM stopped the run after step ``step``, saved in ``checkpoint`` (a step
-    directory; None when ``trainer.checkpoint=false``). Raised on every rank."""
+    """SIGINT/SIGTERM stopped the run after step ``step`` (the last, ``trainer.steps``: in the
+    final evaluation), saved in ``checkpoint`` (a step directory; None when
+    ``trainer.checkpoint=false``). Raised on every rank."""
 
     def __init__(self, signum: int, step: int, checkpoint: str | None, checkpoint_dir: str | None):
         super().__init__(f"{signal.Signals(signum).name} after step {step}")
@@ -88,36 +93,61 @@ class RunFailed(Exception):
 
 
 def make_run_dir(cfg: TrainConfig) -> str:
-    """Rank 0 makes ``<output_dir>/<timestamp>-<pipeline>[-i]`` and tells the other ranks."""
-    path = [None]
+    """Rank 0 makes ``<output_dir>/<timestamp>-<pipeline>[-i]`` and tells the other ranks.
+    Where it cannot (a read-only ``output_dir``, a full disk) every rank raises a
+    :class:`~.config.UsageError` naming it."""
+    made = [None, None]  # the path, or why it could not be made
     if dist.get_rank() == 0:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for i in count():
-            path[0] = os.path.join(cfg.output_dir, f"{stamp}-{cfg.pipeline.name}" + (f"-{i}" if i else ""))
+            path = os.path.join(cfg.output_dir, f"{stamp}-{cfg.pipeline.name}" + (f"-{i}" if i else ""))
             try:
-                os.makedirs(path[0])
+                os.makedirs(path)
+                made[0] = path
                 break
             except FileExistsError:  # another run took it
                 continue
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
+            except OSError as e:
+                made[1] = (f"output_dir={cfg.output_dir}: cannot make the run directory {path} "
+                           f"({e.strerror}: {e.filename}): use a writable output_dir")
+                break
+    dist.broadcast_object_list(made, src=0)
+    if made[1] is not None:
+        error = UsageError(made[1])
+        error.together = True
+        raise error
+    return made[0]
 
 
-def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) -> list[dict]:
+def _resume_in_words(checkpoint_dir: str) -> str:
+    """How to resume ``checkpoint_dir`` after ``trainer.stop_after``, for a caller of
+    :func:`train` without a command line."""
+    return (f"the same command, trainer.stop_after dropped or raised, and trainer.resume=true "
+            f"trainer.checkpoint_dir={checkpoint_dir}")
+
+
+def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None,
+          resume_command: Callable[[str], str] = _resume_in_words) -> list[dict]:
     """Train to ``cfg.trainer.steps`` (from the checkpoint if ``resume``); all ranks.
 
     The checkpoint directory is locked and checked, the model built and the checkpoint loaded
     first; only then is ``out_dir`` (default: a new run directory, :func:`make_run_dir`)
     written: ``config.yaml`` and ``metrics.jsonl`` (a resumed run's starts with the
-    checkpoint's rows, so it holds the whole history once). Returns the rows this run logged
-    (rank 0; empty elsewhere). Raises, on every rank, :class:`~.config.UsageError` (a refused
-    checkpoint directory, a non-finite loss) and :class:`TrainingInterrupted` after a
-    SIGINT/SIGTERM (the step finished and saved). A data source raising mid-run stops every
+    checkpoint's rows, so it holds the whole history once). At ``trainer.stop_after`` the last
+    line names the checkpoint and ``resume_command(checkpoint directory)``, the command line that
+    continues it (the training command passes its own; the default says it in words). Returns the
+    rows this run logged (rank 0; empty elsewhere). Raises, on every rank,
+    :class:`~.config.UsageError` (a refused checkpoint or output directory, a non-finite loss)
+    and :class:`TrainingInterrupted` after a SIGINT/SIGTERM (the step finished and saved). A
+    failed checkpoint save raises :class:`RunFailed` on every rank if DCP failed (it raises on
+    all), else on rank 0, its cause an ``OSError`` ENOSPC naming the checkpoint directory where
+    the disk is full (:func:`_save_error`). A data source raising mid-run stops every
     rank after the step the pipeline was in, saved (:meth:`_Trainer._watched`), and so does
     one logging the metrics row: the failing rank raises its error (a UsageError's
     ``checkpoint`` names the save), the others :class:`PeerFailed`. On the rank where it
-    happened, :class:`RunFailed` from any other exception (at world size 1 the last step
-    completed is saved first, :meth:`_Trainer._saved_on_failure`)."""
+    happened, :class:`RunFailed` from any other exception, ``BaseException`` subclasses such as
+    DCP's CheckpointException too (at world size 1 the last step completed is saved first,
+    :meth:`_Trainer._saved_on_failure`)."""
     out, trainer = None, None
     try:
         with ExitStack() as stack:
@@ -136,20 +166,21 @@ def train(cfg: TrainConfig, device: torch.device, out_dir: str | None = None) ->
                 save_yaml(cfg, os.path.join(out, "config.yaml"))
                 log.info("run dir: %s  (world size %d: %s, %s)", out, dist.get_world_size(),
                          trainer.layout, device)
-            return trainer.run(out, ckpt if t.checkpoint else None)
-    except TrainingInterrupted:
+            return trainer.run(out, ckpt if t.checkpoint else None, resume_command)
+    except (TrainingInterrupted, KeyboardInterrupt, SystemExit):
         raise
     except UsageError as e:
         if trainer is not None and trainer.stopped_together:  # the steps trained are saved
             e.checkpoint, e.together = trainer.resumable(), True
         raise
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is no Exception
         together = trainer is not None and trainer.stopped_together
         raise RunFailed(out, trainer and trainer.resumable(), together) from e
 
 
 class _Signals:
-    """The first SIGINT/SIGTERM received (0: none)."""
+    """The first SIGINT/SIGTERM received (0: none); once an evaluation stopped on a signal, the
+    one every rank stopped on (:meth:`_Trainer._evaluate`)."""
 
     signum = 0
 
@@ -274,7 +305,9 @@ class _Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = node_layout(self.world)
         self.failure: Exception | None = None  # this rank's data source or log raised it
-        self.stopped_together = False  # a rank's failure stopped every rank, saved
+        #: every rank stopped at one step: a rank's failure (saved), or a save DCP failed on all
+        self.stopped_together = False
+        self.save_failed = False  # a checkpoint save raised: not tried again (_saved_on_failure)
         t = cfg.trainer
         self.source: DataSource = make_source(cfg)
         allreduce = cfg.pipeline.dense_allreduce
@@ -315,8 +348,10 @@ class _Trainer:
             return None
         return self.ckpt.step_dir(self.saved), self.ckpt.path
 
-    def run(self, out: str, ckpt: CheckpointDir | None) -> list[dict]:
-        """Train, logging into ``out/metrics.jsonl`` and checkpointing into ``ckpt``."""
+    def run(self, out: str, ckpt: CheckpointDir | None,
+            resume_command: Callable[[str], str]) -> list[dict]:
+        """Train, logging into ``out/metrics.jsonl`` and checkpointing into ``ckpt``; at
+        ``trainer.stop_after`` the last line names ``resume_command`` (see :func:`train`)."""
         t = self.cfg.trainer
         self.ckpt, self.last_save = ckpt, time.monotonic()
         self.metrics_path = os.path.join(out, "metrics.jsonl")
@@ -340,15 +375,14 @@ class _Trainer:
                     final_eval = self._after_step(step, stop, pipeline, rows, progress) or final_eval
         finally:
             progress.close()
-        if stop < t.steps and self.rank == 0:  # trainer.stop_after: say where and how to go on
-            where = (f"checkpoint {self.ckpt.step_dir(stop)}; resume with the same command, "
-                     "trainer.stop_after dropped or raised, and "
-                     f"trainer.resume=true trainer.checkpoint_dir={self.ckpt.path}"
-                     if self.ckpt else "no checkpoint (trainer.checkpoint=false)")
-            log.info("stopped after step %d of %d (trainer.stop_after): %s", stop, t.steps, where)
         if final_eval and final_eval["step"] == t.steps:
             self._log_eval(final_eval)
         self._log_done()
+        if stop < t.steps and self.rank == 0:  # trainer.stop_after: where and how to go on, last
+            where = (f"checkpoint {self.ckpt.step_dir(stop)}; resume with: "
+                     f"{resume_command(self.ckpt.path)}"
+                     if self.ckpt else "no checkpoint (trainer.checkpoint=false)")
+            log.info("stopped after step %d of %d (trainer.stop_after): %s", stop, t.steps, where)
         return rows
 
     def _after_step(self, step: int, stop: int, pipeline: TorchrecPipeline, rows: list[dict],
@@ -358,7 +392,7 @@ class _Trainer:
         is saved before its evaluation, so that a failing one loses no training; any other
         after it, so that the checkpoint's history holds the evaluation's row. Returns that
         row (None: no evaluation); raises :class:`TrainingInterrupted` after saving on a
-        signal."""
+        signal (one during an evaluation stops it: the step is saved, without its row)."""
         t = self.cfg.trainer
         bad = None
         if step % t.log_interval == 0 or step == t.steps:  # not at stop_after: as uninterrupted
@@ -371,18 +405,19 @@ class _Trainer:
             if self.ckpt is not None:
                 self._save(step)
             raise self._stop_together()
-        save = self.ckpt is not None and (due or interrupted or step == stop)
         last = step == t.steps
-        if save and last:
+        if self.ckpt is not None and last:
             self._save(step)
-        row = None
-        if t.eval and (last or (t.eval_interval and step % t.eval_interval == 0)):
-            row = self._evaluate(step, pipeline, rows)
-        if save and not last:
-            self._save(step)
+        evaluate = t.eval and (last or bool(t.eval_interval and step % t.eval_interval == 0))
+        row = self._evaluate(step, pipeline, rows) if evaluate else None
+        cut = evaluate and row is None
+        if cut:  # a signal stopped the evaluation, on every rank
+            interrupted = self.signals.signum
+        if self.ckpt is not None and (due or interrupted or step == stop):
+            self._save(step)  # nothing if saved above
         if row or due:
             self._clock = (time.perf_counter(), step)  # samples/s: training time only
-        if interrupted and step < stop:
+        if interrupted and (step < stop or cut):
             raise TrainingInterrupted(interrupted, step, self.ckpt and self.ckpt.step_dir(step),
                                       self.ckpt and self.ckpt.path)
         return row
@@ -422,16 +457,17 @@ class _Trainer:
     def _saved_on_failure(self, step: int) -> Iterator[None]:
         """The block runs after ``step`` was trained (deciding, saving, evaluating; a failing
         log stops every rank together, :meth:`_stop_together`). At world size 1 an unexpected
-        exception in it first saves ``step``, so the run resumes from there. At world size > 1
-        it saves nothing: one rank cannot know that the others will join the save's
-        collectives; the last checkpoint saved stays. Errors the user can fix, a non-finite
-        loss among them, and interruptions pass as they are."""
+        exception in it (``BaseException`` subclasses too) first saves ``step``, unless a save
+        raised it, so the run resumes from there. At world size > 1 it saves nothing: one rank
+        cannot know that the others will join the save's collectives; the last checkpoint saved
+        stays. Errors the user can fix, a non-finite loss among them, and interruptions pass as
+        they are."""
         try:
             yield
-        except (UsageError, TrainingInterrupted):
+        except (UsageError, TrainingInterrupted, KeyboardInterrupt, SystemExit):
             raise
-        except Exception:
-            if self.ckpt is not None and self.world == 1 and step != self.saved:
+        except BaseException:
+            if self.ckpt is not None and self.world == 1 and step != self.saved and not self.save_failed:
                 try:  # RunFailed names the checkpoint
                     self._save(step)
                 except Exception as e:  # the original exception matters more: it goes on
@@ -471,14 +507,20 @@ class _Trainer:
         due = bool(t.checkpoint_interval and step % t.checkpoint_interval == 0)
         if self.rank == 0 and t.checkpoint_minutes:
             due |= time.monotonic() - self.last_save >= t.checkpoint_minutes * 60
-        flags = [self.signals.signum, int(due), int(bad is not None), int(self.failure is not None)]
-        if self.control is not None:
-            x = torch.tensor(flags, dtype=torch.int64)
-            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.control)
-            flags = x.tolist()
+        flags = self._max_over_ranks(
+            [self.signals.signum, int(due), int(bad is not None), int(self.failure is not None)])
         if flags[2]:
             self._fail_nonfinite(step, bad)
         return flags[0], bool(flags[1]), bool(flags[3])
+
+    def _max_over_ranks(self, flags: list[int]) -> list[int]:
+        """Every rank: each of ``flags``' maximum over the ranks (at world size > 1 one
+        all-reduce on the gloo group)."""
+        if self.control is None:
+            return flags
+        x = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.control)
+        return x.tolist()
 
     def _fail_nonfinite(self, step: int, losses: torch.Tensor | None) -> None:
         """Every rank: raise NonFiniteError naming the first step (over ranks) whose loss was not
@@ -501,7 +543,8 @@ class _Trainer:
     def _save(self, step: int) -> None:
         """All ranks: checkpoint ``step`` and the metrics window (:meth:`_Window.state`) unless
         saved already, after checking that the window's losses and every weight are finite on
-        every rank."""
+        every rank. A failed save raises its cause in a user's words (:func:`_save_error`); DCP
+        raises on every rank, which then stop together."""
         if step == self.saved:
             return
         tensors = [*self.window.losses, *_local_tensors(self.model)]
@@ -511,14 +554,26 @@ class _Trainer:
         if not int(ok):
             raise self._diverged("the weights or the loss", step)
         window = self.window.state(self.control)
-        self.ckpt.save(step, self.model, self.optimizer, self.history, window)
+        try:
+            self.ckpt.save(step, self.model, self.optimizer, self.history, window)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            self.save_failed = True
+            self.stopped_together = isinstance(e, CheckpointException)
+            error = _save_error(e, self.ckpt.path)
+            if error is e:
+                raise
+            raise error from e
         self.saved, self.last_save = step, time.monotonic()
 
-    def _evaluate(self, step: int, pipeline: TorchrecPipeline, rows: list[dict]) -> dict:
+    def _evaluate(self, step: int, pipeline: TorchrecPipeline, rows: list[dict]) -> dict | None:
         """All ranks: AUC and log loss over every rank's eval batches, with the model taken off
         the pipeline (its forward is the sharded modules' own), in eval mode, without grad; the
         pipeline's batches in flight stay as they were. Logs a row ``{step, eval_auc,
-        eval_logloss}`` and returns it."""
+        eval_logloss}`` and returns it. Before each batch the ranks agree on the signals
+        received: after a SIGINT/SIGTERM on any rank every rank returns None, logging nothing,
+        with that signal in ``self.signals``."""
         auroc = BinaryAUROC().to(self.device)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # log loss sum, samples
         model = pipeline.detach()
@@ -526,6 +581,10 @@ class _Trainer:
         try:
             with torch.no_grad():
                 for batch in self.source.eval_batches(self.rank, self.world):
+                    (signum,) = self._max_over_ranks([self.signals.signum])
+                    if signum:
+                        self.signals.signum = signum
+                        return None
                     _, (_, logits, labels) = model(batch.to(self.device))
                     auroc.update(logits, labels.long())
                     sums[0] += torch.nn.functional.binary_cross_entropy_with_logits(
@@ -557,6 +616,33 @@ class _Trainer:
             first, last = train_rows[0], train_rows[-1]
             log.info("done: loss %.4f -> %.4f, auc %.3f, %.0f samples/s", first["loss"],
                      last["loss"], last["auc"], last["samples_per_s"])
+
+
+#: a file system with less free space than this is full: a write that failed for space leaves
+#: less than a block, and torch.save (DCP's writer) reports it as "unexpected pos", not ENOSPC
+FULL_BYTES = 1 << 20
+
+
+def _save_error(e: BaseException, directory: str) -> BaseException:
+    """What a failed save into ``directory`` raises: the error (DCP's CheckpointException holds
+    every failing rank's: the first's), an OSError naming its file or else ``directory``
+    (Python's writes name none), and ``OSError(ENOSPC)`` naming ``directory`` where its disk is
+    full but the error does not say so."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]  # (exception, traceback)
+    if isinstance(e, OSError) and e.errno is not None:
+        return OSError(e.errno, e.strerror, e.filename or directory)
+    if _free_bytes(directory) < FULL_BYTES:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
+    return e
+
+
+def _free_bytes(directory: str) -> float:
+    """The space free to this user on ``directory``'s file system (inf where unknown)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return float("inf")
 
 
 def _error_line(e: Exception) -> str:

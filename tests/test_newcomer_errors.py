@@ -1,0 +1,236 @@
+"""What a newcomer hits (issue 40), each ending as a user expects: a full disk during a save is
+one line naming it, the log and the checkpoint to resume (any BaseException goes through the
+catch-all); a missing extra is one line naming its install command, from the first import on;
+Ctrl-C in the final evaluation stops it; an unwritable output_dir is its error line alone; and
+``trainer.stop_after`` ends with the command that resumes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_cli import ENV, SCRIPT
+from test_train import SYNTHETIC, config, gloo  # noqa: F401 (gloo: a fixture)
+from torch.distributed.checkpoint import FileSystemWriter
+
+from recpipe.train import cli, trainer
+from recpipe.train.config import UsageError
+from recpipe.train.data import SyntheticSource
+from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
+
+
+@pytest.fixture
+def command_line(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Called with overrides: cli's resume commands are those of ``scripts/train.py
+    OVERRIDES``, one process."""
+
+    def started(*overrides: str) -> None:
+        run = SimpleNamespace(overrides=SimpleNamespace(task=list(overrides)))
+        monkeypatch.setattr(cli, "HydraConfig", SimpleNamespace(get=lambda: run))
+        monkeypatch.setattr(sys, "argv", [SCRIPT, *overrides])
+        monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=None))
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    return started
+
+
+def _log_names(directory: str) -> str:
+    return f"(the traceback is in {directory}/error-rank0.log; RECPIPE_TRACEBACK=1 prints it here)"
+
+
+# 1. a full disk during a checkpoint save
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_it_the_log_and_the_checkpoint(
+    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command_line: Callable[..., None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DCP's writer fails for space at the second save (DCP raises its CheckpointException, a
+    BaseException): RunFailed names the checkpoint directory's full disk and the last
+    checkpoint, and the save is not tried again; so does a resume while the disk is full. Where
+    torch.save says "unexpected pos" instead, a full disk is still named."""
+    write = FileSystemWriter.write_data
+    saves = []
+
+    def filling(self, plan, planner):
+        saves.append(self.path)
+        if len(saves) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", filling)
+    ck, out = tmp_path / "ck", str(tmp_path / "out")
+    command_line("data=synthetic")
+    run = ("trainer.steps=12", "trainer.log_interval=4", "trainer.checkpoint_interval=4",
+           "trainer.eval=false", f"trainer.checkpoint_dir={ck}")
+    for resume in ((), ("trainer.resume=true",)):
+        with pytest.raises(RunFailed) as e:
+            train(config(*run, *resume), gloo, out)
+        assert e.value.checkpoint == (str(ck / "step_4"), str(ck)) and e.value.together
+        assert (ck / "latest").read_text() == "4"
+        assert cli._unexpected(e.value.__cause__, out, e.value.checkpoint) == (
+            f"error: no space left on device: {ck} {_log_names(out)}; the last checkpoint is "
+            f"{ck / 'step_4'}, resume with: {sys.executable} {SCRIPT} data=synthetic "
+            f"trainer.checkpoint_dir={ck} trainer.resume=true")
+        assert "CheckpointException" in Path(out, "error-rank0.log").read_text()
+    assert len(saves) == 3 and "could not save" not in caplog.text  # a failed save: not again
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=4096))
+    full = trainer._save_error(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected "
+                                            "pos 704 vs 598"), str(ck))
+    assert isinstance(full, OSError) and cli._cause(full, None) == f"no space left on device: {ck}"
+
+
+def test_any_base_exception_is_one_line_with_the_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The catch-all takes BaseException subclasses (DCP's CheckpointException is one), not
+    SystemExit; Ctrl-C there is status 130."""
+
+    class Odd(BaseException):
+        pass
+
+    with pytest.raises(SystemExit) as e, cli._caught(str(tmp_path)):
+        raise Odd("the library's own\nsecond line")
+    assert e.value.code == 1
+    assert capsys.readouterr().err == f"error: Odd: the library's own {_log_names(str(tmp_path))}\n"
+    with pytest.raises(SystemExit) as e, cli._caught(str(tmp_path)):
+        raise KeyboardInterrupt
+    assert e.value.code == 130 and capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(SystemExit) as e, cli._caught(str(tmp_path)):
+        raise SystemExit(3)
+    assert e.value.code == 3 and capsys.readouterr().err == ""
+
+
+# 3. the wheel without its extras: one line naming the command that installs them
+
+#: sitecustomize making the modules named in $RECPIPE_TEST_MISSING (comma-separated) not found
+MISSING = """\
+import os, sys
+
+class _Missing:
+    names = os.environ["RECPIPE_TEST_MISSING"].split(",")
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, _Missing())
+"""
+
+
+def _without(missing: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """``args`` run where the modules ``missing`` names cannot be imported."""
+    (tmp_path / "sitecustomize.py").write_text(MISSING)
+    env = {**ENV, "RECPIPE_TEST_MISSING": missing,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+TRAIN_EXTRA = "install the training app's packages: pip install 'recpipe[train]'"
+
+
+def test_without_the_train_extra_every_entry_point_names_it(tmp_path: Path) -> None:
+    console = Path(sys.executable).parent / "recpipe-train"
+    for command in ([sys.executable, "-m", "recpipe.train"], [sys.executable, SCRIPT], [str(console)]):
+        r = _without("hydra", [*command, "trainer.steps=5"], tmp_path)
+        assert (r.returncode, r.stdout, r.stderr) == (
+            1, "", f"error: No module named 'hydra': {TRAIN_EXTRA}\n"), command
+
+
+def test_without_torchrec_the_command_and_the_import_say_how_to_install_it(tmp_path: Path) -> None:
+    r = _without("torchrec", [sys.executable, SCRIPT, *SYNTHETIC], tmp_path)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: recpipe.pipeline needs torchrec (No module named 'torchrec'): ")
+    for how in ("on CPU, pip install fbgemm-gpu-cpu ", "pip install --no-deps torchrec",
+                "on GPU, pip install 'recpipe[torchrec]'"):
+        assert how in r.stderr
+    probe = "try:\n import recpipe.pipeline\nexcept ImportError as e:\n print(e.name); print(e)"
+    r = _without("torchrec", [sys.executable, "-c", probe], tmp_path)
+    name, message = r.stdout.splitlines()  # one line
+    assert name == "torchrec" and message.startswith("recpipe.pipeline needs torchrec (")
+
+
+# 4. Ctrl-C during the final evaluation
+
+
+def test_ctrl_c_in_the_final_evaluation_stops_it(
+    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT after the first eval batch: the evaluation stops there, logging no row, and the
+    run ends interrupted at its last step, saved; the line names the checkpoint (there is
+    nothing left to resume)."""
+    batches = SyntheticSource.eval_batches
+
+    def interrupted(self, rank, world):
+        for i, batch in enumerate(batches(self, rank, world)):
+            if i == 1:
+                signal.raise_signal(signal.SIGINT)
+            yield batch
+
+    monkeypatch.setattr(SyntheticSource, "eval_batches", interrupted)
+    ck = tmp_path / "ck"
+    with pytest.raises(TrainingInterrupted) as e:
+        train(config("trainer.steps=8", "trainer.log_interval=4", f"trainer.checkpoint_dir={ck}"),
+              gloo, str(tmp_path / "out"))
+    assert (e.value.signum, e.value.step, e.value.checkpoint) == (signal.SIGINT, 8, str(ck / "step_8"))
+    assert (ck / "latest").read_text() == "8"
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8] and all("eval_auc" not in r for r in rows)
+    assert cli._interrupted(e.value, 8) == (
+        f"interrupted (SIGINT) in the final evaluation: all 8 steps are trained and saved in "
+        f"checkpoint {ck / 'step_8'}")
+
+
+# 6. an output_dir that cannot be written
+
+
+def test_an_unwritable_output_dir_is_its_error_line_alone(
+    gloo, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """No run directory can be made (a file in the way, as a read-only directory would refuse
+    it): a usage error naming output_dir, on every rank; an unexpected error's traceback goes to
+    the temporary directory, not on the terminal."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    with pytest.raises(UsageError) as e:
+        train(config("trainer.steps=4", f"output_dir={out}"), gloo)
+    assert e.value.together
+    assert str(e.value).startswith(f"output_dir={out}: cannot make the run directory {out}/")
+    assert str(e.value).endswith(f"(Not a directory: {out}): use a writable output_dir")
+    line = cli._unexpected(ValueError("boom"), str(out), None)
+    where = line.removeprefix("error: ValueError: boom (the traceback is in ").split(";")[0]
+    assert Path(where).parent == Path(tempfile.gettempdir()) and "boom" in Path(where).read_text()
+    assert capsys.readouterr().err == ""
+    os.remove(where)
+
+
+# 7. trainer.stop_after prints the command that resumes
+
+
+def test_stop_after_ends_with_the_command_that_resumes(
+    gloo, tmp_path: Path, command_line: Callable[..., None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer's last line names the checkpoint and the command; the training command's
+    drops trainer.stop_after (kept, the resume would be refused)."""
+    ck = tmp_path / "ck"
+    with caplog.at_level(logging.INFO, logger="recpipe.train.trainer"):
+        train(config("trainer.steps=8", "trainer.stop_after=4", "trainer.log_interval=4",
+                     f"trainer.checkpoint_dir={ck}"),
+              gloo, str(tmp_path / "out"), resume_command=lambda path: f"RESUME {path}")
+    assert caplog.messages[-1] == (
+        f"stopped after step 4 of 8 (trainer.stop_after): checkpoint {ck / 'step_4'}; "
+        f"resume with: RESUME {ck}")
+    command_line("data=synthetic", "trainer.stop_after=4")
+    assert cli._resume_command(str(ck), drop=("trainer.stop_after",)) == (
+        f"{sys.executable} {SCRIPT} data=synthetic trainer.checkpoint_dir={ck} trainer.resume=true")
