@@ -1,0 +1,64 @@
+"""The checkout and the test log after the README's own commands (issue 40): what those commands
+write into the checkout is git-ignored; the test log shows recpipe's own warnings, not
+torchrec's, fbgemm's or DCP's; the multi-rank tests' rendezvous cannot lose its port to another
+test worker."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+#: written by the set-up, train and test commands wherever their folders are not given
+DEFAULT_OUTPUTS = {".venv", ".venv-1.8", ".venv-1.8.log", "data/movielens100k.npz", "outputs",
+                   "multirun", ".pytest_cache", ".hypothesis"}
+
+
+def readme_written_paths() -> set[str]:
+    """The relative paths that the README's shell lines name as where they write: pip's wheel
+    folder (``-w``), the training app's checkpoint and output folders (absolute paths and
+    ``$VARIABLES`` are the user's)."""
+    lines = re.findall(r"^    (\S.*)$", README, re.M)
+    pattern = r"(?:\s-w\s+|\b(?:checkpoint|output)_dir=)([^\s/$][^\s]*)"
+    return {m for line in lines for m in re.findall(pattern, line)}
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="not a git checkout")
+def test_what_the_readme_commands_write_is_git_ignored() -> None:
+    """``git status`` stays clean after the README's commands: ``dist/`` (the wheel) and ``ck/``
+    (the stop-and-resume example's checkpoints) were left untracked."""
+    written = readme_written_paths()
+    assert {"dist", "ck"} <= written  # the README's wheel and checkpoint commands were found
+    # a file inside each: a folder pattern (``dist/``) matches a path below it
+    paths = [f"{p}/x" for p in written | DEFAULT_OUTPUTS]
+    r = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching",
+                        *paths], cwd=ROOT, capture_output=True, text=True)
+    # one line per path: "SOURCE:LINE:PATTERN<tab>PATH", "::<tab>PATH" where none matches
+    lines = dict(line.split("\t")[::-1] for line in r.stdout.splitlines())
+    assert sorted(lines) == sorted(paths), r.stderr
+    assert [p for p, rule in lines.items() if rule == "::"] == []
+
+
+def test_the_readme_opens_with_what_where_and_how_to_install() -> None:
+    """Its first screen says what recpipe is, shows one table and one plot against torchrec's
+    pipelines, then how to install it; the figures' provenance (commits, runs, caveats) is in a
+    linked report, not there."""
+    first = README[:README.index("\n## Install")]
+    lines = first.splitlines()
+    assert len(lines) <= 40
+    (rule,) = [i for i, line in enumerate(lines) if line.startswith("|---")]  # one table
+    for name in ("`TrainPipelineSparseDist`", "`TrainPipelineBase`",
+                 "`TrainPipelineSparseDistLite`", "recpipe"):
+        assert name in lines[rule - 1]
+    assert first.count("![") == 1
+    assert re.findall(r"\b[0-9a-f]{7,40}\b", first) == []  # no commit hashes
+    links = re.findall(r"\]\(([^)#]+)\)", first)
+    assert any(link.startswith("docs/results/") and link.endswith(".md") for link in links)
+    assert [link for link in links if not (ROOT / link).exists()] == []
