@@ -109,7 +109,7 @@ def test_a_missing_file_names_the_command_that_builds_it(default: Path) -> None:
         (empty, "is empty"),
         (truncated, "is corrupt (zipfile.BadZipFile: File is not a zip file)"),
         (flipped_16_bytes, "is corrupt ("),  # zlib's or zip's CRC-32 error, by where they are
-        (changed_rating, "is corrupt (sha256 mismatch: its arrays hash to "),
+        (changed_rating, "holds other data than MovieLens-100k (its arrays hash to "),
         (without_user_zip, "is corrupt (no array user_zip)"),
     ],
 )

@@ -124,6 +124,8 @@ class TrainerConfig:
     checkpoint: bool = _key(True, "false: write no checkpoint at all (benchmark runs)")
     resume: bool = _key(False, "continue checkpoint_dir's latest checkpoint (same config, "
                                "steps beyond it)")
+    resume_other_data: bool = _key(False, "resume even where the data files differ from those "
+                                          "the checkpoint trained on")
     overwrite: bool = _key(False, "a fresh run may delete the checkpoints already in "
                                   "checkpoint_dir")
     stop_after: int | None = _key(None, "stop (as if interrupted) after this step")

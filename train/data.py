@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-from recpipe.train.config import TrainConfig, UsageError
+from recpipe.train.config import DataConfig, TrainConfig, UsageError
 from recpipe.testing.synthetic import Batch, ModelSpec, make_batch
 
 _PRIME = 1_000_003
@@ -86,16 +87,17 @@ class SyntheticSource:
 
 #: the model and data keys each ``data.schema``'s source reads, the rest being unused with it:
 #: what a resumed run must share with its checkpoint (``checkpoint.identity``). Keep in step
-#: with the sources' ``from_config``.
+#: with the sources' ``from_config``. Not ``data.path``: what the files hold matters, not where
+#: they lie (:func:`data_files`, ``checkpoint.data_identity``).
 SOURCE_KEYS: dict[str, tuple[str, ...]] = {
     "synthetic": ("model.num_tables", "model.rows", "model.dim", "model.weighted",
                   "model.sequence", "model.over_arch", "data.batch_size", "data.pooling",
                   "data.zipf", "data.dense_in"),
     "criteo": ("model.rows", "model.dim", "model.over_arch", "data.batch_size", "data.pooling",
                "data.zipf"),
-    "movielens": ("model.dim", "model.over_arch", "data.path", "data.batch_size",
-                  "data.eval_fraction", "data.max_history", "data.label_scope"),
-    "criteo_tsv": ("model.rows", "model.dim", "data.path", "data.batch_size", "data.eval_fraction"),
+    "movielens": ("model.dim", "model.over_arch", "data.batch_size", "data.eval_fraction",
+                  "data.max_history", "data.label_scope"),
+    "criteo_tsv": ("model.rows", "model.dim", "data.batch_size", "data.eval_fraction"),
 }
 
 
@@ -103,6 +105,21 @@ def source_keys(schema: str) -> tuple[str, ...]:
     """The config keys that shape ``schema``'s batches and model: :data:`SOURCE_KEYS`, and
     ``data.schema`` and ``data.seed`` (every source's)."""
     return ("data.schema", "data.seed", *SOURCE_KEYS[schema])
+
+
+def data_files(data: DataConfig) -> list[Path] | None:
+    """The files ``data.schema``'s source reads, in its order; None for generated data, which
+    its config keys alone decide. FileNotFoundError where ``data.path`` is no such file or a
+    directory without files (a missing MovieLens file is returned: the source names it)."""
+    if data.schema == "movielens":
+        from recpipe.train.movielens import data_path
+
+        return [data_path(data)]
+    if data.schema == "criteo_tsv":
+        from recpipe.train.criteo_tsv import tsv_files
+
+        return tsv_files(Path(data.path))
+    return None
 
 
 def make_source(cfg: TrainConfig) -> DataSource:

@@ -101,6 +101,11 @@ TABLES = {  # name: (features, pooling); every table has model.dim columns
 LABEL_SCOPES = ("earlier", "train")
 
 
+def data_path(data: DataConfig) -> Path:
+    """The file the source reads: ``data.path``, else :data:`DEFAULT_PATH`."""
+    return Path(data.path) if data.path else DEFAULT_PATH
+
+
 def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorized."""
     ends = np.cumsum(lengths)
@@ -134,9 +139,9 @@ def eval_shares(n: int, rank: int, world: int, batch_size: int) -> list[np.ndarr
 
 class DataFileError(UsageError):
     """A MovieLens file that cannot be used. ``problem`` says why (:data:`MISSING`, ``"is
-    empty"``, ``"is corrupt (...)"``); the message is one line: the file, the problem, and the
-    command that (re)builds the file with this interpreter (the training command line prints it
-    as ``error: ...``)."""
+    empty"``, ``"is corrupt (...)"``, ``"holds other data than MovieLens-100k (...)"``); the
+    message is one line: the file, the problem, and the command that (re)builds the file with
+    this interpreter (the training command line prints it as ``error: ...``)."""
 
     def __init__(self, path: Path, problem: str) -> None:
         self.path, self.problem = path, problem
@@ -185,7 +190,8 @@ def _one_line(e: Exception, width: int = 80) -> str:
 def read_arrays(path: Path, sha256: str | None) -> dict[str, np.ndarray]:
     """The arrays of the .npz file ``path``. Raises :class:`DataFileError` if it is missing or
     empty, is no readable .npz (truncated, bytes changed: zip's CRC-32...), lacks one of
-    :data:`ARRAYS`, or, given ``sha256``, if its :func:`arrays_sha256` differs from it."""
+    :data:`ARRAYS`, or, given ``sha256``, if its :func:`arrays_sha256` differs from it (a
+    readable file of other data: not called corrupt)."""
     if not path.exists():
         raise DataFileError(path, MISSING)
     if path.is_file() and path.stat().st_size == 0:
@@ -198,8 +204,8 @@ def read_arrays(path: Path, sha256: str | None) -> dict[str, np.ndarray]:
     missing = [k for k in ARRAYS if k not in arrays]
     if missing:
         raise DataFileError(path, f"is corrupt (no array {', '.join(missing)})")
-    if sha256 is not None and (found := arrays_sha256(arrays)) != sha256:
-        raise DataFileError(path, f"is corrupt (sha256 mismatch: its arrays hash to "
+    if sha256 is not None and (found := arrays_sha256(arrays)) != sha256:  # readable, other data
+        raise DataFileError(path, f"holds other data than MovieLens-100k (its arrays hash to "
                                   f"{found[:12]}..., recorded {sha256[:12]}...)")
     return arrays
 
@@ -336,7 +342,7 @@ class MovieLensSource:
         """Load ``data.path`` (default :data:`DEFAULT_PATH`, checked against
         :data:`ARRAYS_SHA256`) with :func:`read_arrays`; ``seed`` orders the training part (the
         trainer passes ``data.seed``); every table has ``model.dim``."""
-        path = Path(data.path) if data.path else DEFAULT_PATH
+        path = data_path(data)
         arrays = read_arrays(path, ARRAYS_SHA256 if path.resolve() == DEFAULT_PATH else None)
         return cls(arrays, batch_size=data.batch_size, eval_fraction=data.eval_fraction,
                    max_history=data.max_history, seed=seed, dim=model.dim,
