@@ -7,16 +7,18 @@ Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce()
 Buckets. Each bucket is a group of dense (unsharded) parameters of one dtype, in reverse
 registration order (about the order backward produces their grads), up to the bucket cap
 (:class:`BucketedAllReduce`'s ``bucket_cap_mb``, lowered by ``"auto"`` and ``"symm_mem"`` to the
-largest size they reduce through symmetric memory: 16 MiB on 2 x H200). Consecutive small
-grads are packed up to the cap, so those buckets hold between half the cap and the cap (8-16
-MiB there, where two-shot beats NCCL); a gradient larger than the cap is a bucket of its own
-(NCCL's size range, where NCCL is as fast); what is left at the end (the first layers' grads,
-which backward produces last) is the last, smaller bucket: the only reduction that cannot
-overlap backward.
+largest size they reduce through symmetric memory: 16 MiB on 2 x H200). Consecutive grads are
+packed up to the cap, so where the grads are small next to it the buckets come near it (8-16
+MiB there, where two-shot beats NCCL). A gradient larger than the cap is a bucket of its own
+(NCCL's range; the small grads before it, such as its layer's bias, make another). It is not
+split into symmetric-size pieces: they would all land at once (no earlier start), and on the
+2 x H200 table NCCL costs less per byte at 64 MiB than two-shot at 16 MiB. What is left at the
+end (the first layers' grads, which backward produces last) is the last bucket: the only
+reduction that cannot overlap backward.
 
 Overlap. A ``post_accumulate_grad`` hook counts the bucket's ready grads. When its last one
 lands, the bucket's reduction is queued on the wrapper's :class:`CommStream`: on CUDA a
-dedicated stream, made to wait (an event) for what the current stream (the one backward runs
+dedicated stream (high priority, as NCCL's own), made to wait (an event) for what the current stream (the one backward runs
 its AccumulateGrad on: main) has queued so far, so for the bucket's grads; there the grads are
 summed across ranks as one flat tensor, divided by the world size and copied back into the
 grads in place, while main goes on with backward. At the first dense grad of a backward, a
@@ -51,14 +53,16 @@ the host would: the optimizer must still see the reduced means.
 ``algorithm`` picks each bucket's all-reduce (:data:`~recpipe.ops.all_reduce.POLICIES`):
 ``"nccl"``; ``"auto"``, NCCL or a symmetric-memory algorithm, whichever the measured table of
 :mod:`recpipe.ops.all_reduce_table` says is faster for the bucket's size (a symmetric one only
-where the upper end of its latency ratio's 95% interval is below NCCL's by the table's margin);
+where the upper end of its latency ratio's 95% interval, or in a table without intervals its
+P50 ratio, is below 1 by the table's margin);
 ``"symm_mem"``, symmetric memory for every bucket it can reduce. The latter two enable symmetric
 memory for the group when it can be used there (CUDA, an NCCL group, ``node_local``), lower the
 bucket cap as above, and compile each bucket's reduction with static shapes through
 :func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then allocates the bucket's flat
 gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it there with no
-extra copy. Where symmetric memory cannot be used (CPU, a group across nodes, no table for the
-GPU), every bucket goes through NCCL (gloo on CPU), compiled only if ``compile=True``.
+extra copy. Where symmetric memory cannot be used (CPU, a group across nodes), every bucket goes
+through NCCL (gloo on CPU), compiled only if ``compile=True``; ``"auto"`` also sends every bucket
+through NCCL where no table was measured for the GPU and world size.
 :meth:`BucketedAllReduce.plan` says what each bucket runs.
 """
 
@@ -102,13 +106,14 @@ def mean_all_reduce(
 class CommStream:
     """Where the buckets' reductions run while backward goes on (see the module docstring).
 
-    CUDA: a dedicated stream. :meth:`submit` makes it wait for what the current stream has
-    queued, queues the work there and holds the work (so the tensors it references) until
+    CUDA: a dedicated stream, of high priority (as NCCL's: the reduction's kernels get SMs
+    ahead of backward's queued ones). :meth:`submit` makes it wait for what the current stream
+    has queued, queues the work there and holds the work (so the tensors it references) until
     :meth:`wait`, which makes the current stream wait for all of it. CPU: no stream (``stream``
     is None): the work runs when submitted, and :meth:`wait` has nothing to wait for."""
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._held: list[Callable[[], None]] = []
 
     def submit(self, work: Callable[[], None]) -> None:
