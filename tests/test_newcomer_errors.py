@@ -234,3 +234,32 @@ def test_stop_after_ends_with_the_command_that_resumes(
     command_line("data=synthetic", "trainer.stop_after=4")
     assert cli._resume_command(str(ck), drop=("trainer.stop_after",)) == (
         f"{sys.executable} {SCRIPT} data=synthetic trainer.checkpoint_dir={ck} trainer.resume=true")
+
+
+# the other entry points
+
+
+def test_recpipe_torchrun_ends_its_own_failure_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An option value torchrun rejects: its ValueError in one line, not a traceback."""
+    from recpipe.train import torchrun
+
+    monkeypatch.delenv(torchrun.LAUNCHER_ENV, raising=False)  # main() sets it
+    with pytest.raises(SystemExit) as e:
+        torchrun.main(["--standalone", "--nproc-per-node=abc", "-m", "recpipe.train"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1, err
+    line = "error: ValueError: Unsupported nproc_per_node value: abc (the traceback is in "
+    assert err.startswith(line)
+    os.remove(err.removeprefix(line).split(";")[0])
+
+
+def test_the_script_run_by_an_interpreter_without_recpipe_names_the_right_one() -> None:
+    """``-S``: without site-packages, where recpipe is installed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-S", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "") and r.stderr == (
+        f"error: recpipe is not installed for {sys.executable}: run this script with the interpreter "
+        "of the environment that has it, .venv/bin/python scripts/train.py in a checkout (bash "
+        "scripts/setup_venv.sh makes .venv)\n")

@@ -8,7 +8,10 @@ the same options) that ends as the one-process training command does:
   traceback after it;
 - the exit status is the failing rank's (1, 130, 143; 128 + N for a rank killed by signal N),
   or 128 + N when torchrun itself gets signal N (SIGINT, SIGTERM: it passes the signal to the
-  ranks, which save and print how to resume, with this launcher).
+  ranks, which save and print how to resume, with this launcher);
+- torchrun's own failures (an option value it rejects, ``--nproc-per-node=abc``; its rendezvous)
+  end as the training command's do (``recpipe.train.cli._caught``): one ``error:`` line naming
+  the log file with the traceback, status 1 (130 for Ctrl-C before the ranks start).
 
 Plain torchrun runs the same job; it exits 1 on every failure and prints its own report after
 our line. ``LOGLEVEL``, if set, keeps torchrun's own log lines (they are off here otherwise);
@@ -103,11 +106,19 @@ def _root(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with ``argv`` (default ``sys.argv[1:]``); end with one line and the status."""
+    from recpipe.train.cli import _caught  # here: the training command imports this module
+
+    with _caught(None):
+        _launch(sys.argv[1:] if argv is None else argv)
+
+
+def _launch(argv: list[str]) -> None:
+    """torchrun with ``argv``; a rank's failure or a signal ends the process (:func:`main`)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    args = torchrun.parse_args(argv)
     os.environ[LAUNCHER_ENV] = "1"
     if "OMP_NUM_THREADS" not in os.environ and torchrun.determine_local_world_size(args.nproc_per_node) > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's default then, without its 5-line warning
