@@ -14,6 +14,11 @@
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh multinode  # 2 GPUs as 2 torchrun "nodes" of 1 vs 1 node of 2
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
+#   bash scripts/gpu_checks.sh overlap    # 2 GPUs, issue 39 in one call (~9.5 min, CALL_LIMIT-bound):
+#        overlap-table: bench_allreduce, 200 interleaved calls, 95% intervals, --write-table
+#        overlap-checks: GPU ordering test, sanitizer + recompiles (tiny; auto and symm_mem)
+#        overlap-bench: DDP vs auto vs nccl all-reduce, dense_heavy then small (OVERLAP_CONFIGS),
+#        5 alternating runs each (those that fit before CALL_LIMIT: 200 s kept per later config)
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
 out=${OUT:-/tmp/recpipe-gpu}
@@ -172,5 +177,42 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py \
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling" >&2; exit 2 ;;
+  overlap|overlap-table)  # the latency table auto reads below (cache dir: kept while the machine
+    # is warm; a copy comes back under $out/allreduce-table: ship it as
+    # ops/all_reduce_tables/<gpu>-w<world>.json), and auto's verdict line
+    python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py --iters 200 \
+      --write-table --json "$out/allreduce-200-$ngpu.json" 2>&1 | tee "$out/bench_allreduce-200.log" \
+      | grep -E "^\||^###|^auto|^wrote|rror"
+    mkdir -p "$out/allreduce-table" && cp "$(grep -oP '^wrote \K.*' "$out/bench_allreduce-200.log")" \
+      "$out/allreduce-table/"
+    ;;&
+  overlap|overlap-checks)  # the optimizer reads reduced grads with each reduction behind a spin
+    # kernel on the communication stream (and not without the wait); losses as DDP's; then the
+    # sanitizer on the overlapped reduction (tiny: one bucket, NCCL for auto, one-shot for
+    # symm_mem), one process each, with TORCH_LOGS=recompiles: one bucket, one graph, so any
+    # recompile is one after the first step
+    python3 -m pytest -q -p no:cacheprovider tests/test_data_parallel_overlap.py 2>&1 \
+      | tee "$out/overlap_tests.log" | tail -3
+    for p in recpipe_auto_ar recpipe_symm_ar; do
+      TORCH_CUDA_SANITIZER=1 TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --config tiny \
+        --repeats 1 --warmup 2 --steps 8 --sharding "$sharding" --pipelines $p >"$out/csan-overlap-$p.log" 2>&1
+      echo "sanitizer $p: rc=$? reports=$(grep -ci 'data race' "$out/csan-overlap-$p.log")" \
+        "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan-overlap-$p.log")" \
+        "recompiles=$(grep -c 'Recompiling function' "$out/csan-overlap-$p.log")"
+    done
+    ;;&
+  overlap|overlap-bench)  # step time, DDP (plain recpipe) vs the overlapped bucketed all-reduce
+    # (auto, nccl), alternating runs in fresh processes, per config of OVERLAP_CONFIGS (default
+    # dense_heavy then small), each but the last stopping 200 s early per config after it
+    configs=(${OVERLAP_CONFIGS:-dense_heavy small})
+    for i in "${!configs[@]}"; do
+      c=${configs[$i]}
+      python3 scripts/bench_pipeline.py --config "$c" --repeats "${REPEATS:-5}" --sharding "$sharding" \
+        --pipelines recpipe,recpipe_auto_ar,recpipe_nccl_ar --time-limit "$(left $(( (${#configs[@]} - 1 - i) * 200 )))" \
+        --json "$out/overlap-$c-$ngpu.json" --out "$out/overlap-$c.md" 2>&1 | tee "$out/overlap-$c.log" \
+        | grep -E "^  run|^\||vs|identical|^###|time-limit|rror"
+    done
+    ;;
+  overlap-table|overlap-checks) ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling|overlap[-table|-checks|-bench]" >&2; exit 2 ;;
 esac
