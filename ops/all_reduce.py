@@ -10,7 +10,8 @@ The algorithm is chosen on the host, per call, from the bytes, dtype, device and
 (:func:`choose_algorithm`); the ``algorithm`` argument asks for
 
 - ``"auto"`` (default): the measured table of :mod:`recpipe.ops.all_reduce_table` (a
-  symmetric algorithm only where it beat NCCL at the measured sizes around the bucket's);
+  symmetric algorithm only where the 95% interval of its latency ratio to NCCL shows a win at
+  the measured sizes around the bucket's);
 - ``"symm_mem"``: symmetric memory wherever it can run, one-shot up to ``ONE_SHOT_MAX_BYTES``,
   two-shot above (at 2, 4 and 8 ranks), NCCL above ``SYMM_MAX_BYTES``;
 - ``"nccl"``, ``"one_shot"`` or ``"two_shot"``: that algorithm.
@@ -78,8 +79,10 @@ _buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 def symmetric_buffer(numel: int, dtype: torch.dtype, device: torch.device, group_name: str) -> torch.Tensor:
     """The front ``numel`` elements of this process's persistent symmetric buffer for (group,
     dtype, device), grown (doubling; a collective: every rank grows at the same call, as the
-    all-reduce sizes agree) when too small. Reused by every call: stream order and the
-    kernels' closing barrier keep one call's reads before the next call's copy."""
+    all-reduce sizes agree) when too small. Reused by every call, so all calls go on one
+    stream (in training, the communication stream of ``recpipe.pipeline.data_parallel``):
+    stream order and the kernels' closing barrier keep one call's reads before the next call's
+    copy."""
     key = (group_name, dtype, device)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:
