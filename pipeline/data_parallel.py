@@ -25,7 +25,9 @@ grads in place, while main goes on with backward. At the first dense grad of a b
 callback is queued on the autograd engine (``queue_callback``, as DDP's reducer does); it runs
 when backward ends, on the stream that called ``backward()`` (main), and makes that stream wait
 for the communication stream: the optimizer, and anything else queued on main after
-``backward()``, reads reduced grads.
+``backward()``, reads reduced grads. One backward at a time: a backward that raised leaves
+nothing behind (the next one counts afresh), but one run inside another's (reentrant
+checkpointing of dense layers) is not supported.
 
 Streams and ownership (CUDA):
 
@@ -217,7 +219,7 @@ class BucketedAllReduce(DataParallelWrapper):
         self._node_local = node_local
         self._reduce = reduce
         self._group: dist.ProcessGroup | None = None
-        self._checking = False
+        self._graph_task = -1  # the autograd graph task whose end waits for the reductions
         self.buckets: list[_Bucket] = []
         self.comm = CommStream(torch.device("cpu"))
 
@@ -273,15 +275,18 @@ class BucketedAllReduce(DataParallelWrapper):
         return reduce
 
     def _backward_started(self) -> None:
-        """On a backward's first dense grad: once it ends, wait for the reductions."""
-        if not self._checking:
-            self._checking = True
+        """On each dense grad: at a backward's first, queue the wait for its reductions at its
+        end, and start every bucket's count afresh (a backward that raised left some counted)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._graph_task:
+            self._graph_task = task
+            for b in self.buckets:
+                b.ready = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
     def _backward_finished(self) -> None:
         """The engine's final callback, on the stream that called ``backward()``: it waits for
         every bucket's reduction; then checks that every bucket was reduced."""
-        self._checking = False
         self.comm.wait()
         missing = [b for b in self.buckets if b.ready]
         for b in missing:

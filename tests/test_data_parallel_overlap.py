@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from group_fixtures import local_group_fixture  # noqa: F401 (fixture)
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
@@ -102,6 +104,30 @@ def test_the_optimizer_reads_the_means_of_every_bucket() -> None:
         if result["grads_at_submit"] is not None:  # CPU: the lagging stand-in
             assert result["grads_at_submit"] == [3, 4, 5, 6], result
     assert [r["means"] for r in run_ranks(2, _optimizer_reads, False)] == [False, False]
+
+
+def test_a_backward_that_raised_leaves_nothing_behind(local_group: dist.ProcessGroup) -> None:
+    """A backward that raised after a bucket's first grads: the next backward counts every
+    bucket afresh (it submits each bucket at its own last grad) and still waits at its end."""
+    cpu = torch.device("cpu")
+    model = _mlp(cpu)
+    wrapper = BucketedAllReduce(bucket_cap_mb=2 / 1024)
+    DistributedModelParallel(model, env=ShardingEnv.from_process_group(local_group), device=cpu,
+                             data_parallel_wrapper=wrapper)
+    stream = wrapper.comm = _LaggingStream(list(model.parameters()))
+    x = torch.randn(8, 16, dtype=torch.float64)
+
+    def fail(grad: torch.Tensor) -> None:  # after the last layer's grads, before the bias of the
+        raise RuntimeError("in backward")  # layer before, in the first bucket
+
+    hidden = model[:3](x)
+    hidden.register_hook(fail)
+    with pytest.raises(RuntimeError, match="in backward"):
+        model[3:](hidden).sum().backward()
+    assert [b.ready for b in wrapper.buckets] == [2, 0, 0, 0] and not stream.queued
+    model.zero_grad()
+    model(x).sum().backward()
+    assert stream.grads_at_submit == [3, 4, 5, 6] and not stream.queued
 
 
 STEPS = 6
