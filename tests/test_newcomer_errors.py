@@ -263,3 +263,11 @@ def test_the_script_run_by_an_interpreter_without_recpipe_names_the_right_one() 
         f"error: recpipe is not installed for {sys.executable}: run this script with the interpreter "
         "of the environment that has it, .venv/bin/python scripts/train.py in a checkout (bash "
         "scripts/setup_venv.sh makes .venv)\n")
+
+
+def test_help_into_a_closed_pipe_ends_silently() -> None:
+    """``recpipe-train --help | head``, head gone: status 1 and nothing on stderr."""
+    p = subprocess.Popen([sys.executable, SCRIPT, "--help"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV)
+    p.stdout.close()  # before Hydra prints (it starts in about 1 s)
+    assert (p.stderr.read(), p.wait(timeout=60)) == ("", 1)

@@ -341,11 +341,15 @@ def _caught(directory: str | None) -> Iterator[None]:
     """The catch-all: an exception out of the block ends the process with one line. Ctrl-C:
     status 130; a package this environment lacks: :func:`_not_installed`; any other,
     ``BaseException`` subclasses too: :func:`_unexpected`, the traceback in ``directory`` (None:
-    the temporary directory). SystemExit (:func:`_end`) passes."""
+    the temporary directory). SystemExit (:func:`_end`) passes; a broken pipe (``--help |
+    head``: the reader left) ends with status 1, silently, as other commands do."""
     try:
         yield
     except SystemExit:
         raise
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # none again at exit
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         _end(130, "interrupted before training started: nothing saved")
     except BaseException as e:  # noqa: BLE001
