@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,43 @@ def test_the_readme_opens_with_what_where_and_how_to_install() -> None:
     links = re.findall(r"\]\(([^)#]+)\)", first)
     assert any(link.startswith("docs/results/") and link.endswith(".md") for link in links)
     assert [link for link in links if not (ROOT / link).exists()] == []
+
+
+#: a test that imports and runs what warns in the suite (fbgemm's import, torchrec's planner,
+#: DistributedModelParallel and optimizer-in-backward, DCP on ShardedTensors, torchmetrics),
+#: then warns as recpipe would
+PROBE = '''
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torchmetrics  # noqa: F401 (its import warns about distutils)
+from recpipe.testing.synthetic import ModelSpec, build_sharded
+
+
+def test_third_party_warnings_and_ours(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _ = build_sharded(ModelSpec(), ["table_wise"], torch.device("cpu"), dist.group.WORLD)
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ck"))
+        dcp.load(model.state_dict(), checkpoint_id=str(tmp_path / "ck"))
+    finally:
+        dist.destroy_process_group()
+    warnings.warn_explicit("recpipe's own warning", FutureWarning, "sparse_dist.py", 1,
+                           module="recpipe.pipeline.sparse_dist")
+'''
+
+
+def test_the_test_log_shows_recpipes_own_warnings_only(tmp_path: Path) -> None:
+    """pytest under this checkout's settings (pyproject.toml's ``filterwarnings``): of the
+    probe's warnings only recpipe's is in the log; no third-party file, no colour code."""
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+         str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert "FutureWarning: recpipe's own warning" in log and "1 passed, 1 warning" in log
+    assert "site-packages" not in log and "\x1b[" not in log, log[-3000:]
