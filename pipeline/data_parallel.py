@@ -18,16 +18,16 @@ reduction that cannot overlap backward.
 
 Overlap. A ``post_accumulate_grad`` hook counts the bucket's ready grads. When its last one
 lands, the bucket's reduction is queued on the wrapper's :class:`CommStream`: on CUDA a
-dedicated stream (high priority, as NCCL's own), made to wait (an event) for what the current stream (the one backward runs
-its AccumulateGrad on: main) has queued so far, so for the bucket's grads; there the grads are
-summed across ranks as one flat tensor, divided by the world size and copied back into the
-grads in place, while main goes on with backward. At the first dense grad of a backward, a
-callback is queued on the autograd engine (``queue_callback``, as DDP's reducer does); it runs
-when backward ends, on the stream that called ``backward()`` (main), and makes that stream wait
-for the communication stream: the optimizer, and anything else queued on main after
-``backward()``, reads reduced grads. One backward at a time: a backward that raised leaves
-nothing behind (the next one counts afresh), but one run inside another's (reentrant
-checkpointing of dense layers) is not supported.
+dedicated stream (high priority, as NCCL's own), made to wait (an event) for what the current
+stream (the one backward runs its AccumulateGrad on: main) has queued so far, so for the
+bucket's grads; there the grads are summed across ranks as one flat tensor, divided by the
+world size and copied back into the grads in place, while main goes on with backward. At a
+backward's first dense grad, a callback is queued on the autograd engine (``queue_callback``,
+as DDP's reducer does); it runs when that backward ends, on the stream that called
+``backward()`` (main), and makes that stream wait for the communication stream: the optimizer,
+and anything else queued on main after ``backward()``, reads reduced grads. One backward at a
+time: a backward that raised leaves nothing behind (the next one counts afresh), but one run
+inside another's (reentrant checkpointing of dense layers) is not supported.
 
 Streams and ownership (CUDA):
 
@@ -159,7 +159,8 @@ class _Bucket:
         self.owner.comm.submit(functools.partial(self._reduce_in_place, [p.grad for p in self.params]))
 
     def _reduce_in_place(self, grads: list[torch.Tensor]) -> None:
-        """``grads`` = their mean over the ranks, on the current stream (the comm stream)."""
+        """``grads`` = their mean over the ranks, queued on the current stream (the
+        communication stream)."""
         owner = self.owner
         with torch.no_grad():
             torch._foreach_copy_(grads, self.reduce(grads, owner._group, owner.algorithm))
