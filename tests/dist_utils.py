@@ -1,34 +1,60 @@
 """Run a function on N local ranks (gloo on CPU, NCCL on GPUs: ``recpipe.testing.launch``),
-collecting return values; a one-rank group in the test's own process; a free port.
+collecting return values; a one-rank group in the test's own process; a free port for other
+programs.
 
 The rank processes stay up between tests (one pool per test process and world size): a spawned
 process spends ~6 s of CPU importing torch and torchrec, most of a multi-rank test's time. Each
 call still gets a fresh process group and the caller's environment; a call that fails, hangs or
-loses a rank closes the pool, and the next call spawns a new one."""
+loses a rank closes the pool, and the next call spawns a new one.
+
+Each call's rendezvous is a TCPStore that the parent opens on port 0 (the kernel picks a free port
+as it binds) and the ranks join as clients: no port is picked first and bound later, so another
+test worker cannot take it in between (``EADDRINUSE`` under ``pytest -n 4``)."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import queue
+import random
 import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
 
 from recpipe.testing.launch import rank_backend_device
 
 
+#: the OS's randomness: a test that seeds ``random`` must not give every worker the same ports
+_draw = random.SystemRandom()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a program that binds it itself (torchrun's rendezvous, an example's
+    ``MASTER_PORT``). Drawn below the kernel's ephemeral range (Linux: 32768-60999 by default),
+    from which every ``bind(0)`` and outgoing connection of the other test workers takes its
+    port, so that only another such draw can take it before the program binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = _draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: draw again
+            return port
+    raise RuntimeError(f"no free port below {low} in 100 draws")
 
 
 @contextmanager
@@ -48,8 +74,9 @@ def one_rank() -> Iterator[torch.device]:
 
 def _run_task(rank: int, world: int, port: int, env: dict[str, str], fn: Callable,
               args: tuple) -> Any:
-    """``fn(rank, world, device, *args)`` in a fresh process group, with the caller's
-    environment (and its ``OMP_NUM_THREADS``) for the call's duration."""
+    """``fn(rank, world, device, *args)`` in a fresh process group on the parent's store at
+    ``port``, with the caller's environment (and its ``OMP_NUM_THREADS``) for the call's
+    duration."""
     saved, threads = dict(os.environ), torch.get_num_threads()
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -58,7 +85,9 @@ def _run_task(rank: int, world: int, port: int, env: dict[str, str], fn: Callabl
     backend, device = rank_backend_device(rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # the parent's store, with the timeout that init_process_group's own rendezvous would give it
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=default_pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         return fn(rank, world, device, *args)
     finally:
@@ -102,7 +131,9 @@ class _RankPool:
             p.start()
 
     def run(self, fn: Callable, args: tuple, timeout: float) -> tuple[dict[int, Any], list[str]]:
-        task = (free_port(), dict(os.environ), fn, args)
+        # the call's rendezvous, bound before any rank needs it; it lives until this returns
+        store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
+        task = (store.port, dict(os.environ), fn, args)
         for q in self.tasks:
             q.put(task)
         results: dict[int, Any] = {}

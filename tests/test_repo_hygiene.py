@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import dist_utils
 import pytest
+import torch.distributed as dist
+from dist_utils import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -103,3 +107,27 @@ def test_the_test_log_shows_recpipes_own_warnings_only(tmp_path: Path) -> None:
     assert r.returncode == 0, log[-3000:]
     assert "FutureWarning: recpipe's own warning" in log and "1 passed, 1 warning" in log
     assert "site-packages" not in log and "\x1b[" not in log, log[-3000:]
+
+
+def _world_size(rank: int, world: int, device: object) -> int:
+    return dist.get_world_size()
+
+
+def test_the_rank_pool_binds_its_own_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks' rendezvous (a TCPStore on port 0, opened by the test's process) binds its port
+    itself: a port that another test worker takes between a pick and the bind (``EADDRINUSE``
+    under ``pytest -n 4``) cannot reach it. Here every port picked is taken already."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(dist_utils, "free_port", lambda: taken.getsockname()[1])
+        assert run_ranks(1, _world_size, timeout=120) == [1]
+
+
+def test_free_port_is_below_the_ephemeral_range() -> None:
+    """``free_port`` (a port that a program binds later: torchrun's rendezvous, an example's
+    ``MASTER_PORT``) draws outside the range the kernel gives ``bind(0)`` and outgoing
+    connections, from which the other test workers take theirs."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {dist_utils.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
