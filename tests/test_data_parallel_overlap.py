@@ -12,6 +12,9 @@ must see that."""
 from __future__ import annotations
 
 import copy
+import functools
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -47,6 +50,48 @@ class _LaggingStream(CommStream):
     def wait(self) -> None:
         while self.queued:
             self.queued.pop(0)()
+
+
+class _CudaStream:
+    """A CPU stand-in for a CUDA stream: notes, in ``log``, the streams it is made to wait for
+    and when it is current."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.device = name, log, torch.device("cuda", 0)
+
+    def wait_stream(self, other: "_CudaStream") -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def __enter__(self) -> None:
+        self.log.append(f"{self.name} current")
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.append(f"{self.name} no longer current")
+
+
+def test_cuda_work_runs_on_the_stream_after_main_and_main_waits_before_the_grads_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CommStream's CUDA branch, with stand-in streams: the work waits for main and runs with
+    the communication stream current; the stream holds the work's tensors until main has
+    waited for it, then lets them go."""
+    log: list = []
+    main = _CudaStream("main", log)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: _CudaStream(f"comm{priority}", log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: main)
+    comm = CommStream(torch.device("cuda", 0))
+    grad = torch.ones(3)
+    alive = weakref.ref(grad)
+    comm.submit(functools.partial(lambda g: log.append(f"work on {g.numel()}"), grad))
+    del grad
+    gc.collect()
+    assert log == ["comm-1 waits for main", "comm-1 current", "work on 3", "comm-1 no longer current"]
+    assert alive() is not None  # held: the stream may still read it
+    comm.wait()
+    gc.collect()
+    assert log[-1] == "main waits for comm-1" and alive() is None
+    comm.wait()  # nothing submitted since: no wait
+    assert log[-1] == "main waits for comm-1" and len(log) == 5
 
 
 def _slow_mean(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
