@@ -112,7 +112,7 @@ class Pipeline:
     """The pipeline's options that the model depends on (recpipe's defaults)."""
 
     input_overlap: float = 1.0  # share of the input (ids) all-to-all hidden behind the step
-    free_inputs_early: bool = True  # recpipe's TrainPipelineSparseDist.free_inputs_early
+    free_inputs_early: bool = True  # recpipe's MemoryPlan.free_inputs
     unsharded_copy: bool = True  # every rank keeps the unsharded tables (build_sharded today)
     bucket_mb: float = 25.0  # DDP's last bucket: the all-reduce's exposed tail
     base: bool = False  # torchrec's TrainPipelineBase (no pipelining): the calibration point

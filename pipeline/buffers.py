@@ -6,8 +6,8 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   **main** stream's pool, so they are reusable as soon as main drops the KJT, with no
   ``record_stream``. The data_dist stream waits on an event recorded on main after the
   allocation (a block handed to main may still be read by main's queued kernels).
-  :class:`AllToAllOutputs` does the same for the all-to-all outputs (P2's inputs), and sizes
-  them (:class:`HighWater`: equal sizes from batch to batch, so that freed blocks fit).
+  :class:`AllToAllOutputs` sizes the all-to-all outputs (P2's inputs, data_dist's pool) by
+  :class:`HighWater`: equal sizes from batch to batch, so that freed blocks fit.
 - :class:`BufferRing` (P1, the feature-order permute in ``input_dist``): pipeline-owned buffers,
   one slot per batch in flight. A slot is written only after an event recorded on main at the
   end of the step that last used it. Whole permute (3 slots): written on data_dist, the step

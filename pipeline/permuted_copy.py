@@ -24,7 +24,7 @@ Contract (the pipeline calls, per batch, in torchrec's order):
 - :meth:`~PermutedCopy.sent` once every all-to-all that read its values is done (an event on
   data_dist), :meth:`~PermutedCopy.forget` at the end of its step.
 
-Only the input dists may read the copied values (the contract of ``free_inputs_early``), and
+Only the input dists may read the copied values (the contract of ``MemoryPlan.free_inputs``), and
 each only through P1 and the all-to-all: no data-parallel table, no EmbeddingCollection (whose
 context keeps P1's output for the main stream), no pipelined postproc. The pipeline checks the
 plan for that. The batch's structure (its tensors in copy order) is the same from batch to
@@ -342,7 +342,7 @@ class PermutedCopy:
 
 _PERMUTED_OTHERWISE = (
     "recpipe: a KJT copied in its P1 order was permuted otherwise (did its keys, its stride "
-    "per key or the model change?); set permuted_copy = False"
+    "per key or the model change?); set memory_plan = MemoryPlan(inputs='ring')"
 )
 
 

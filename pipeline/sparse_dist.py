@@ -124,8 +124,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: KJTs that the pipelined modules' input dists permute), the plan saves less memory than its
     #: host time is worth. Then at world size 1 the pipeline runs torchrec's code path from the
     #: next batch on (``redirecting`` False; where the first batch's whole copy is below it, from
-    #: that batch on: no first use of recpipe's kernels), and at world size > 1 the high-water
-    #: sizes and the permuted copy that the plan chose by default turn off. 0: always act.
+    #: that batch on: no first use of recpipe's kernels), and at world size > 1, where the
+    #: all-to-all outputs are high-water sized, the high-water sizes (of ``recat`` too, unless
+    #: set) and the permuted copy turn off. 0: always act.
     min_batch_bytes: int = 64 * 2**20
 
     def __init__(
@@ -253,7 +254,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         for ``copied`` (recorded on the memcpy stream after ``batch``'s copy), not for the
         whole memcpy stream: a deferred start would wait for batch i+2's copy too (with the
         permuted copy, all of it but the planned KJT's values, which go on another stream).
-        As torchrec does, ``batch`` is recorded on data_dist first: ``free_inputs_early``
+        As torchrec does, ``batch`` is recorded on data_dist first: ``free_inputs``
         gives its storages back inside the block."""
         if copied is None:
             yield
@@ -489,7 +490,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 raise RuntimeError(
                     "recpipe: a batch's copy into the permuted copy's slot was needed before "
                     "the batch in the slot was sent (not torchrec's order of input dists); set "
-                    "permuted_copy = False"
+                    "memory_plan = MemoryPlan(inputs='ring')"
                 )
             self._release_sent_inputs(context)
         stream = self._data_dist_stream if context is not None else self._main
@@ -536,7 +537,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         late, self._late = self._late, None
-        if late is not None:  # (input_dist_after_forward)
+        if late is not None:  # (input_dist="after_forward")
             batch, started, copied = late
             assert started is context, "recpipe: a deferred input dist waited out of order"
             with self._copy_waited(batch, copied):
@@ -606,12 +607,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     @property
     def copy_ring_nbytes(self) -> int:
-        """Bytes held by the pipeline-owned copy buffers (``copy_ring``)."""
+        """Bytes held by the pipeline-owned copy buffers (``inputs="ring"``)."""
         return self._copy_ring.nbytes
 
     @property
     def copy_ring_reused(self) -> int:
-        """Batch tensors copied into memory of an earlier batch's copy (``copy_ring``)."""
+        """Batch tensors copied into memory of an earlier batch's copy (``inputs="ring"``)."""
         return self._copy_ring.reused
 
     @property

@@ -29,7 +29,6 @@ SLOW_FIRST = (
     "test_a_failure_on_one_rank_stops_both_after_one_saved_step",
     "test_recpipe_torchrun_stops_on_a_signal_with_one_line_and_resumes_as_printed",
     "test_one_rank_inert_outside_and_narrow_inside",
-    "test_all_to_all_outputs_on_main_bit_identical",
     "test_sigint_finishes_the_step_saves_and_prints_how_to_resume",
     "test_readme_command_runs",
 )
