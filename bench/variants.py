@@ -72,6 +72,9 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_copy_ring": _variant("RecpipeCopyRing", inputs="ring"),  # instead of permuted
     "recpipe_exact_sizes": _variant("RecpipeExactSizes", p1="fresh", received="exact"),
     "recpipe_exact_recat": _variant("RecpipeExactRecat", recat="exact"),
+    "recpipe_recat_ring": _variant("RecpipeRecatRing", recat="ring"),  # world size > 1
+    "recpipe_recat_ring_after_forward": _variant(
+        "RecpipeRecatRingAfterForward", recat="ring", input_dist="after_forward"),
     "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist="after_forward"),
     "recpipe_permuted_copy": _variant("RecpipePermutedCopy", inputs="permuted"),  # any plan
     # the whole P1 into the depth-3 ring, for every batch (on CPU and several ranks too)

@@ -32,9 +32,13 @@ bucketized)                                             later at the forward (al
 ``received``  data_dist    data_dist (P2)  i+1 -> i    ``"high_water"``: sized to the site's
 (all-to-all                                             high-water mark, so that the block
 outputs)                                                the last batch freed fits.
-``recat``     data_dist,   main            i           main's pool (always), after an event
-(P2 output)   main's pool  (forward,                   on main; ``"high_water"``: sized per
-                           backward)                   module, for varying row-wise ids.
+``recat``     data_dist    main            i           main's pool, after an event on main;
+(P2 output)                (forward,                   ``"high_water"``: sized per module,
+                           backward)                   for varying row-wise ids. ``"ring"``:
+                                                        one pipeline slot per P2 call, after
+                                                        main's event at the end of the slot's
+                                                        step (out of main's pool, where it
+                                                        splits backward's large blocks).
 ============  ===========  ==============  ===========  ===================================
 
 ``input_dist="after_forward"`` starts batch i+1's input dist after batch i's forward is queued,
@@ -53,6 +57,7 @@ from typing import Literal
 Inputs = Literal["fresh", "ring", "permuted"]
 FeaturePermute = Literal["fresh", "ring", "split_ring", "high_water"]
 Sizes = Literal["exact", "high_water"]
+Recat = Literal["exact", "high_water", "ring"]
 InputDist = Literal["before_forward", "after_forward"]
 
 _CHOICES: dict[str, tuple[object, ...]] = {
@@ -60,7 +65,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "free_inputs": (True, False),
     "p1": ("fresh", "ring", "split_ring", "high_water"),
     "received": ("exact", "high_water"),
-    "recat": ("exact", "high_water"),
+    "recat": ("exact", "high_water", "ring"),
     "input_dist": ("before_forward", "after_forward"),
 }
 
@@ -80,7 +85,7 @@ class MemoryPlan:
     free_inputs: bool | None = None
     p1: FeaturePermute | None = None
     received: Sizes | None = None
-    recat: Sizes | None = None
+    recat: Recat | None = None
     input_dist: InputDist | None = None
 
 
@@ -121,6 +126,8 @@ def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
     inputs = plan.inputs or _default_inputs(facts, free)
     problem = problem or _inputs_problem(inputs, facts, free)
     input_dist = plan.input_dist or "before_forward"
+    if plan.recat == "ring" and world == 1:
+        problem = problem or "recat='ring' needs world size > 1 (no recat at one rank)"
     if input_dist == "after_forward" and world == 1:
         problem = problem or "input_dist='after_forward' needs world size > 1 (no all-to-all to move)"
     if problem:

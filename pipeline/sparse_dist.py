@@ -187,16 +187,18 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self.uses_split_permute:
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[SideWrite]] = {}
-        self._ring = BufferRing(
-            main, 2 if self.uses_split_permute else 3, stale_refs=stale_index_refs(self._model)
-        )
+        stale = stale_index_refs(self._model)
+        self._ring = BufferRing(main, 2 if self.uses_split_permute else 3, stale_refs=stale)
+        several = world > 1
+        # P2's outputs in one pipeline slot per call (recat="ring"): the next batch's P2 runs in
+        # its forward, queued after this batch's backward, whose end releases the slot
+        self._recat_ring = BufferRing(main, 1, stale_refs=stale) if plan.recat == "ring" else None
         #: what the pipeline did so far (:class:`PipelineStats`)
         self.stats = PipelineStats()
         # P2, the recat after the all-to-all: only with more than one rank
         self._redirect_dist_init = world > 1
         self._main = main
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
-        several = world > 1
         self._received_sizes = HighWater() if several and plan.received == "high_water" else None
         self._sent_sizes = HighWater() if several and plan.p1 == "high_water" else None
         # the defaults that pay only for large batches: decided on the first one
@@ -360,6 +362,22 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         sized = self.plan.recat == "high_water" and chosen and self._redirect_dist_init
         alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate
         return write_into(main_stream_allocator(self._main, alloc))
+
+    def _recat_runner_of(self, index: int) -> Runner | None:
+        """Batch ``index``'s P2 runner where P2 writes into the recat ring (its k-th call into
+        the slot's k-th buffers), else None (the pipeline's ``_dist_init_runner``)."""
+        if self._recat_ring is None:
+            return None
+        return write_into(self._recat_ring.allocator(index))
+
+    def _before_recat(self, index: int, runner: Runner | None) -> None:
+        """Before each P2 of batch ``index`` (inside its forward): the batch the permuted copy
+        learned from drops its P1 output (main's pool: freed earlier, the forward's first small
+        tensors would split the block, and P2's batch-sized output would take a new segment);
+        the batch's recat-ring runner takes over."""
+        self._learned_from.pop(index, None)
+        if runner is not None:
+            self._dist_init_runner = runner
 
     def _release_copies(
         self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream
@@ -557,14 +575,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             super().wait_sparse_data_dist(context)
         if self._redirect_dist_init and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
-            # the learning P1's memory goes just before the batch's first P2 allocates on main:
-            # freed earlier, the forward's first small tensors would split the block, and P2's
-            # batch-sized output would take a new segment
-            learned = None
-            if context.index in self._learned_from:
-                learned = partial(self._learned_from.pop, context.index, None)
+            runner, before = self._recat_runner_of(context.index), None
+            if runner is not None or context.index in self._learned_from:
+                before = partial(self._before_recat, context.index, runner)
             for name, request in requests.items():
-                requests[name] = _DistInitRedirected(request, self._kjt_type, learned)
+                requests[name] = _DistInitRedirected(request, self._kjt_type, before)
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
@@ -578,6 +593,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         state kept per batch index."""
         super().reset()
         self._ring.forget_owners()
+        if self._recat_ring is not None:
+            self._recat_ring.forget_owners()
         self._late = None
         for kept in (self._copied, self._releasable, self._learned_from):
             kept.clear()
@@ -588,6 +605,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
+        if self._recat_ring is not None:
+            self._recat_ring.release(self.contexts[0].index)
         if self._copy_ring_on:
             self._copy_ring.release_late(self.contexts[0].index, self._main)
         if self.redirecting is False:  # the first batches' slots, once main is done with them
@@ -602,8 +621,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     @property
     def ring_nbytes(self) -> int:
-        """Bytes held by the pipeline-owned P1 buffers."""
-        return self._ring.nbytes
+        """Bytes held by the pipeline-owned permute buffers (P1's ring, the recat ring)."""
+        return self._ring.nbytes + (self._recat_ring.nbytes if self._recat_ring else 0)
 
     @property
     def copy_ring_nbytes(self) -> int:
@@ -622,8 +641,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     @property
     def ring_replaced(self) -> int:
-        """P1 buffers given new memory because a result of an earlier batch still used them."""
-        return self._ring.replaced
+        """Ring buffers (P1's, the recat ring's) given new memory because a result of an earlier
+        batch still used them."""
+        return self._ring.replaced + (self._recat_ring.replaced if self._recat_ring else 0)
 
 
 def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocator:

@@ -75,6 +75,11 @@ class ActOnSmallBatchesPipeline(TrainPipelineSparseDist):
     min_batch_bytes = 0  # every placement at its default
 
 
+class RecatRingPipeline(TrainPipelineSparseDist):
+    memory_plan = MemoryPlan(recat="ring")  # P2's outputs in one pipeline slot per call
+    min_batch_bytes = 0  # every other placement at its default
+
+
 def _train(
     rank: int, world: int, device: torch.device, sharding: list[str], steps: int,
     ours: type = TrainPipelineSparseDist, spec: ModelSpec = ModelSpec(), options: dict | None = None,
@@ -183,6 +188,8 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
                                   "all-to-all reads the values); leave it None"),
         (dict(input_dist="after_forward"), "MemoryPlan: input_dist='after_forward' needs world "
                                            "size > 1 (no all-to-all to move); leave it None"),
+        (dict(recat="ring"), "MemoryPlan: recat='ring' needs world size > 1 (no recat at one "
+                             "rank); leave it None"),
         (dict(inputs="fresh", free_inputs=False), "no error"),
     ],
 )
@@ -351,12 +358,24 @@ def test_permuted_copy_bit_identical_on_two_ranks(sharding: str) -> None:
         assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
 
 
+def test_recat_ring_bit_identical_on_two_ranks() -> None:
+    """``recat="ring"``: every P2 output of a batch in its call's slot of a one-slot ring, written
+    again by the next batch's forward once main's event at the end of the step has passed; no
+    result of an earlier batch is overwritten (``ring_replaced``)."""
+    results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, RecatRingPipeline)
+    for r in results:
+        assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
+        assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
+        assert r["ring_nbytes"] > 0 and r["ring_replaced"] == 0, r
+
+
 @pytest.mark.skipif(not GPU2, reason="the defaults below act on CUDA")
 @pytest.mark.parametrize("sharding, ours", [
     ("mixed_tw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", LateInputDistOnSmallBatchesPipeline),
-], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-after_forward"])
+    ("mixed_tw_rw_cw", RecatRingPipeline),
+], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-after_forward", "tw_rw_cw-recat_ring"])
 def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, ours: type) -> None:
     """Every default placement acting from the first batch (``min_batch_bytes = 0``): on CUDA at
     world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
