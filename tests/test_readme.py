@@ -59,13 +59,28 @@ def test_readme_command_runs(command: str, tmp_path: Path) -> None:
     assert "done: loss" in r.stdout + r.stderr
 
 
+def _pasted(stderr: str) -> list[str]:
+    """The command that the last line of ``stderr`` says resumes the run (after ``resume with:``)."""
+    last = stderr.strip().splitlines()[-1]
+    assert "resume with: " in last, last
+    return shlex.split(last.split("resume with: ", 1)[1])
+
+
 def test_readme_stop_and_resume_commands(tmp_path: Path) -> None:
+    """The README's stop: its last line names the checkpoint and a command to paste, which is
+    the README's resume line (this interpreter, the run's own output_dir) and resumes."""
     stop, resume = [c for c in readme_commands() if "trainer.checkpoint_dir=ck" in c]
     first = _run(stop, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "stopped after step 20 of 40 (trainer.stop_after): checkpoint " in first.stderr
-    assert "the same command, trainer.stop_after dropped or raised, and " in first.stderr
-    assert f"trainer.resume=true trainer.checkpoint_dir={tmp_path / 'ck'}" in first.stderr
-    second = _run(resume, tmp_path)
+    pasted = _pasted(first.stderr)
+    ck = tmp_path / "ck"
+    assert " ".join(pasted).endswith(f"trainer.checkpoint_dir={ck} trainer.resume=true"), pasted
+    assert not any(a.startswith("trainer.stop_after") for a in pasted), pasted
+    readme = shlex.split(resume.replace("trainer.checkpoint_dir=ck", f"trainer.checkpoint_dir={ck}"))
+    assert Path(pasted[0]).samefile(ROOT / readme[0]), pasted  # this environment's interpreter
+    assert [a for a in pasted if not a.startswith("output_dir=")][1:] == readme[1:], (pasted, resume)
+    second = subprocess.run(pasted, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "40"
+    assert f"resumed from {ck / 'step_20'}" in second.stderr
+    assert (ck / "latest").read_text().strip() == "40"
