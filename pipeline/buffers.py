@@ -70,9 +70,8 @@ class HighWater:
 
     Why: batch sizes vary a little (the large config's KJTs by about 1 MiB in 1 GiB). With exact
     sizes, the block that one batch's tensor freed is a little too small for the next batch's,
-    so the caching allocator takes a new segment, and the pool keeps both: measured on 2 ranks
-    (large config), one extra batch-sized segment in each of the data_dist and memcpy pools.
-    With equal sizes each freed block fits the next batch's tensor. Cost: up to 1/64 more bytes
+    so the caching allocator takes a new segment, and the pool keeps both (one extra
+    batch-sized segment per pool; docs/design.md). With equal sizes each freed block fits the next batch's tensor. Cost: up to 1/64 more bytes
     per tensor, and a larger size is kept after a larger batch."""
 
     def __init__(self) -> None:
@@ -330,20 +329,17 @@ class _CopySlot:
 
 class CopyRing:
     """Pipeline-owned memory for the host-to-device copies of the batch tensors that only the
-    input dists read (the P1 inputs, which the pipeline frees early): ``depth`` slots, batch ``i``
-    uses slot ``i % depth``, one buffer per copy position (the ``k``-th ``to`` of the batch).
+    input dists read (the P1 inputs, which the pipeline frees early): one slot, one buffer per
+    copy position (the ``k``-th ``to`` of the batch).
 
     Why: a copied batch belongs to the memcpy stream's pool, with data_dist and main recorded on
     it (torchrec's ``record_stream``). Freed early, its memory returns to the pool only once
     their work queued so far is done; with the host a step or more ahead of the GPU the next copy
-    finds it pending and takes a new segment (measured on 1 H100, large config: 3 batch-sized
-    segments in that pool, 2 of them live). Here the copy stream waits on the device for the
-    event after the slot's last reader instead, and the memory is written again. The slots take
+    finds it pending and takes a new segment. Here the copy stream waits on the device for the
+    event after the slot's last reader instead, and the memory is written again. The slot takes
     over the memory of the batches copied before the positions were known (sized as the ring
-    sizes its buffers: :class:`HighWater` per position), so the ring holds what ``depth``
-    batches' copies would. ``depth`` must cover the batches copied between a batch's copy and
-    its early release: 1 where that release ends the batch's input dists (torchrec queues the
-    next copy right after them), 2 where it waits for a later point.
+    sizes its buffers: :class:`HighWater` per position). One slot is enough because the early
+    release ends the batch's input dists, and torchrec queues the next copy right after them.
 
     Contract (streams): :meth:`destination` gives the copy of batch ``i`` (on ``stream``, the
     copy stream, current during the copy). The positions served are those that the last early
@@ -359,8 +355,8 @@ class CopyRing:
     allocator, which knows its streams).
     """
 
-    def __init__(self, depth: int = 1) -> None:
-        self._slots = [_CopySlot() for _ in range(depth)]
+    def __init__(self) -> None:
+        self._slot = _CopySlot()
         self._positions: frozenset[int] | None = None  # None: not learned yet
         self._sizes = HighWater()  # bytes per copy position
         #: buffers given new memory because a tensor outside the ring still used them
@@ -370,7 +366,7 @@ class CopyRing:
 
     def destination(self, batch_index: int, stream: torch.cuda.Stream) -> Destination:
         """Batch ``batch_index``'s destinations (call it for each batch, in copy order)."""
-        slot = self._slots[batch_index % len(self._slots)]
+        slot = self._slot
         wait = slot.released
         if wait is False:  # the previous owner may still be read: leave it its memory
             slot.buffers = {}
@@ -420,7 +416,7 @@ class CopyRing:
         caller must not free their storage."""
         positions = {k for k, t in enumerate(made) if t.untyped_storage().data_ptr() in inputs}
         self._positions = frozenset(positions)
-        slot = self._slots[batch_index % len(self._slots)]
+        slot = self._slot
         if slot.owner != batch_index:
             return set()
         if not slot.served <= positions:  # main may read one: release_late's, left as is
@@ -440,23 +436,23 @@ class CopyRing:
     def release_late(self, batch_index: int, main: torch.cuda.Stream) -> None:
         """Batch ``batch_index``'s step is queued on ``main``: a slot it still holds is released
         once main's queued work is done."""
-        slot = self._slots[batch_index % len(self._slots)]
+        slot = self._slot
         if slot.owner == batch_index and slot.released is False:
             slot.released = main.record_event()
 
     def drop_done(self) -> None:
-        """Give back the memory of every slot whose last use is done (``query``: never waits)."""
-        for slot in self._slots:
-            if slot.buffers and _done(slot.released):
-                slot.buffers, slot.owner = {}, None
+        """Give back the slot's memory if its last use is done (``query``: never waits)."""
+        slot = self._slot
+        if slot.buffers and _done(slot.released):
+            slot.buffers, slot.owner = {}, None
 
     def storages(self) -> set[int]:
         """The data pointers of the ring's memory."""
-        return {b.untyped_storage().data_ptr() for slot in self._slots for b in slot.buffers.values()}
+        return {b.untyped_storage().data_ptr() for b in self._slot.buffers.values()}
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for slot in self._slots for b in slot.buffers.values())
+        return sum(b.numel() for b in self._slot.buffers.values())
 
 
 def on_storage(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -195,67 +195,68 @@ def _ptrs(*tensors: torch.Tensor) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-def test_copy_ring_serves_the_early_freed_positions_and_reuses_a_released_slot() -> None:
-    ring, stream = CopyRing(depth=2), _Stream()
+def test_copy_ring_serves_the_early_freed_positions_and_reuses_the_released_slot() -> None:
+    """The early free ends a batch's input dists, so the copy of batch i+1 waits for batch i's
+    release event and writes batch i's memory; the first batch's memory is taken over."""
+    ring, stream = CopyRing(), _Stream()
     first = _copy(ring, 0, stream, 0)  # nothing learned yet: all fresh
     adopted = _ptrs(*first[1:])
     assert ring.release_early(0, first, adopted, stream) == {1, 2}  # the slot takes them over
     # (sized as the ring sizes its buffers: 1/64 more than the first batch's)
     assert ring.nbytes == 100 * 8 * 65 // 64 + 8 * 8 * 65 // 64 and first[1].numel() == 0
-    b2 = _copy(ring, 2, stream, 2)  # batch 0's slot: its copies' memory, written again
-    assert _ptrs(*b2[1:]) == adopted and bool((b2[1] == 2).all())
-    b1 = _copy(ring, 1, stream, 1)  # the other slot: fresh ring memory
-    memory = _ptrs(*b1[1:])
-    assert ring.release_early(1, b1, memory, stream) == {1, 2}
-    assert b1[1].numel() == 0 and b1[2].numel() == 0  # emptied: nothing reads batch 3's data
+    assert ring.storages() == adopted  # (what the pipeline's side writes let go of)
+    b1 = _copy(ring, 1, stream, 1)  # the slot's memory, written again after its release
+    assert _ptrs(*b1[1:]) == adopted and bool((b1[1] == 1).all()) and len(stream.waited) == 1
+    assert ring.release_early(1, b1, adopted, stream) == {1, 2}
+    assert b1[1].numel() == 0 and b1[2].numel() == 0  # emptied: nothing reads batch 2's data
     assert b1[0].numel() == 12  # the dense tensor is main's: left alone
-    b3 = _copy(ring, 3, stream, 3)  # batch 1's slot: waits for its release, same memory
-    assert _ptrs(*b3[1:]) == memory and len(stream.waited) == 2 and bool((b3[1] == 3).all())
-    assert ring.replaced == 0 and ring.reused == 4 and ring.nbytes > 0
+    b2 = _copy(ring, 2, stream, 2)
+    assert _ptrs(*b2[1:]) == adopted and len(stream.waited) == 2 and bool((b2[1] == 2).all())
+    assert ring.replaced == 0 and ring.reused == 4
 
 
 def test_copy_ring_keeps_a_slot_whose_tensors_were_not_all_freed_early() -> None:
     """A served tensor that was not a P1 input (the batch's structure changed) may be read by
     main: the slot waits for main's release, and a copy before it gets fresh memory."""
-    ring, stream = CopyRing(depth=2), _Stream()
+    ring, stream = CopyRing(), _Stream()
     first = _copy(ring, 0, stream, 0)
     ring.release_early(0, first, _ptrs(*first[1:]), stream)
-    b2 = _copy(ring, 2, stream, 2)
-    assert ring.release_early(2, b2, _ptrs(b2[1]), stream) == {1, 2}  # lengths: not an input
-    assert b2[2].numel() == 8  # not emptied: someone else reads it
-    b4 = _copy(ring, 4, stream, 4)  # slot not released: fresh memory, batch 2's data kept
-    assert not _ptrs(*b4[1:]) & _ptrs(*b2[1:]) and bool((b2[2] == 2).all())
-    ring.release_late(4, stream)  # (only the values are served now: the learned positions)
-    values = _ptrs(b4[1])
-    del b4  # the batch is dropped after its step
-    b6 = _copy(ring, 6, stream, 6)  # released by main: reused
-    assert _ptrs(b6[1]) == values and ring.replaced == 0
+    b1 = _copy(ring, 1, stream, 1)
+    assert ring.release_early(1, b1, _ptrs(b1[1]), stream) == {1, 2}  # lengths: not an input
+    assert b1[2].numel() == 8  # not emptied: someone else reads it
+    b2 = _copy(ring, 2, stream, 2)  # slot not released: fresh memory, batch 1's data kept
+    assert not _ptrs(*b2[1:]) & _ptrs(*b1[1:]) and bool((b1[2] == 1).all())
+    ring.release_late(2, stream)  # (only the values are served now: the learned positions)
+    values = _ptrs(b2[1])
+    del b2  # the batch is dropped after its step
+    b3 = _copy(ring, 3, stream, 3)  # released by main: reused
+    assert _ptrs(b3[1]) == values and ring.replaced == 0
 
 
 def test_copy_ring_never_overwrites_memory_still_held() -> None:
-    ring, stream = CopyRing(depth=2), _Stream()
+    ring, stream = CopyRing(), _Stream()
     first = _copy(ring, 0, stream, 0)
     ring.release_early(0, first, _ptrs(*first[1:]), stream)
+    b1 = _copy(ring, 1, stream, 1)
+    kept = b1[1][:10]  # a view someone kept before the release
+    lengths = _ptrs(b1[2])
+    ring.release_early(1, b1, _ptrs(*b1[1:]), stream)
     b2 = _copy(ring, 2, stream, 2)
-    kept = b2[1][:10]  # a view someone kept before the release
-    lengths = _ptrs(b2[2])
-    ring.release_early(2, b2, _ptrs(*b2[1:]), stream)
-    b4 = _copy(ring, 4, stream, 4)
-    assert bool((kept == 2).all()) and ring.replaced == 1 and not _ptrs(b4[1]) & _ptrs(kept)
-    assert _ptrs(b4[2]) == lengths  # nobody holds the lengths: reused
+    assert bool((kept == 1).all()) and ring.replaced == 1 and not _ptrs(b2[1]) & _ptrs(kept)
+    assert _ptrs(b2[2]) == lengths  # nobody holds the lengths: reused
 
 
 def test_copy_ring_leaves_empty_tensors_to_the_allocator() -> None:
     """An empty P1 input (a batch without ids) has no memory to reuse; the slot is still
     released early."""
-    ring, stream = CopyRing(depth=2), _Stream()
+    ring, stream = CopyRing(), _Stream()
     first = _copy(ring, 0, stream, 0)
     ring.release_early(0, first, _ptrs(*first[1:]), stream)
-    into = ring.destination(2, stream)
+    into = ring.destination(1, stream)
     assert into(1, torch.empty(0, dtype=torch.int64)) is None
     lengths = into(2, torch.zeros(8, dtype=torch.int64))
     assert lengths is not None
-    assert ring.release_early(2, [torch.empty(4, 3), torch.empty(0), lengths], _ptrs(lengths), stream) == {2}
+    assert ring.release_early(1, [torch.empty(4, 3), torch.empty(0), lengths], _ptrs(lengths), stream) == {2}
 
 
 def test_high_water_sizes_repeat_until_a_batch_outgrows_them() -> None:
@@ -268,22 +269,6 @@ def test_high_water_sizes_repeat_until_a_batch_outgrows_them() -> None:
     t = sizes.empty("dense", (64, 2), torch.float32, torch.device("cpu"))
     assert t.shape == (64, 2) and t.is_contiguous()
     assert t.untyped_storage().nbytes() == (128 + 2) * 4
-
-
-def test_one_slot_copy_ring_reuses_the_batch_just_released() -> None:
-    """Depth 1 (the early free ends the input dists): the copy of batch i+1 waits for batch
-    i's release event and writes batch i's memory."""
-    ring, stream = CopyRing(depth=1), _Stream()
-    first = _copy(ring, 0, stream, 0)
-    memory = _ptrs(*first[1:])
-    ring.release_early(0, first, memory, stream)  # (the slot adopts batch 0's memory)
-    assert ring.storages() == memory  # (what the pipeline's side writes let go of)
-    b1 = _copy(ring, 1, stream, 1)
-    assert _ptrs(*b1[1:]) == memory
-    ring.release_early(1, b1, memory, stream)
-    b2 = _copy(ring, 2, stream, 2)
-    assert _ptrs(*b2[1:]) == memory and len(stream.waited) == 2 and bool((b2[1] == 2).all())
-    assert ring.replaced == 0 and ring.reused == 4
 
 
 def test_sized_allocations_repeat_per_site() -> None:
