@@ -271,3 +271,16 @@ def test_help_into_a_closed_pipe_ends_silently() -> None:
                          stderr=subprocess.PIPE, text=True, env=ENV)
     p.stdout.close()  # before Hydra prints (it starts in about 1 s)
     assert (p.stderr.read(), p.wait(timeout=60)) == ("", 1)
+
+
+# 5. a key added with + in a sweep (-m: Hydra composes each job's overrides itself)
+
+
+def test_a_key_added_with_plus_in_a_sweep_fails_before_torch_loads(tmp_path: Path) -> None:
+    """``-m +trainer.stepz=3``: the job's composed config is checked, one line, exit 1."""
+    run = ("import sys; from recpipe.train.cli import main\n"
+           f"sys.argv[1:] = ['-m', '+trainer.stepz=3', 'output_dir={tmp_path}']\n"
+           "try: main()\nexcept SystemExit as e: print(e.code, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", run], env=ENV, capture_output=True, text=True, timeout=120)
+    assert (r.stdout, r.stderr) == (
+        "1 False\n", "error: no config key 'trainer.stepz': did you mean trainer.steps?\n"), r.stderr

@@ -74,7 +74,7 @@ try:  # the train extra's: where an import fails (or is interrupted), main() say
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, OmegaConf
 
-    from recpipe.train.config import UsageError, composition_error, register, validate
+    from recpipe.train.config import UsageError, composition_error, register, unknown_key, validate
 except BaseException as e:  # noqa: BLE001 (SystemExit and Ctrl-C too: main() ends with them)
     _import_failure: BaseException | None = e
 else:
@@ -294,7 +294,12 @@ def _write_temporary(text: str, prefix: str) -> str:
 
 def _run(dcfg: DictConfig) -> None:
     """Validate, start the process group, train; ends the process on an interruption or an
-    unexpected exception in training."""
+    unexpected exception in training. A key the schema lacks (``+trainer.stepz=3``) raises
+    :class:`UsageError` before torch loads: :func:`_check_overrides` leaves a multirun's (``-m``)
+    overrides to Hydra, so each job checks its composed config."""
+    error = unknown_key(dcfg)
+    if error:
+        raise UsageError(error)
     cfg = OmegaConf.to_object(dcfg)
     validate(cfg)
     device = _init_distributed(cfg.hardware.backend)
