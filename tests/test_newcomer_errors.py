@@ -28,6 +28,7 @@ from test_train import SYNTHETIC, config, gloo  # noqa: F401 (gloo: a fixture)
 from torch.distributed.checkpoint import FileSystemWriter
 
 from recpipe.train import cli, prepare_movielens, trainer
+from recpipe.train.checkpoint import CheckpointDir
 from recpipe.train.config import UsageError
 from recpipe.train.data import SyntheticSource
 from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
@@ -337,3 +338,41 @@ def test_prepare_movielens_names_a_read_only_out_not_its_cleanup(
         prepare_movielens.write_atomically(out, {"a": np.zeros(2)})
     assert str(e.value) == line
     assert list(read_only.iterdir()) == []
+
+
+# a failed save leaves no partial step directory, so that freeing space is enough to resume
+
+
+def test_a_failed_save_leaves_no_partial_step_directory(
+    gloo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command_line: Callable[..., None]
+) -> None:
+    """DCP's writer fills the disk in the second save after writing part of a file: step_8/ is
+    removed, step_4/ (complete, named by ``latest``) kept; a complete or latest step is never
+    discarded."""
+    write = FileSystemWriter.write_data
+    saves = []
+
+    def filling(self, plan, planner):
+        saves.append(self.path)
+        if len(saves) == 1:
+            return write(self, plan, planner)
+        Path(self.path, "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", filling)
+    ck = tmp_path / "ck"
+    command_line("data=synthetic")
+    cfg = config("trainer.steps=8", "trainer.checkpoint_interval=4", "trainer.eval=false",
+                 f"trainer.checkpoint_dir={ck}")
+    with pytest.raises(RunFailed):
+        train(cfg, gloo, str(tmp_path / "out"))
+    assert len(saves) == 2 and (ck / "latest").read_text() == "4"
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step_")) == ["step_4"]
+    kept, sums = CheckpointDir(str(ck), cfg), ck / "step_4" / "sha256sums"
+    kept._discard(4)  # complete, and latest
+    sums.rename(ck / "sums")
+    kept._discard(4)  # latest
+    (ck / "sums").rename(sums)
+    (ck / "latest").write_text("8")
+    kept._discard(4)  # complete
+    assert (ck / "step_4" / ".metadata").exists()

@@ -15,8 +15,10 @@ Layout of ``trainer.checkpoint_dir``::
 
 A save is complete when ``sha256sums`` exists: it is written after the DCP save returned on every
 rank (``.metadata`` present), and ``latest`` moves only after it. So ``latest`` never names a
-partial checkpoint, whatever is killed when. Resume (:meth:`CheckpointDir.open`) refuses, with a
-:class:`CheckpointError` naming the problem and the fix, a missing/empty/garbage ``latest``, an
+partial checkpoint, whatever is killed when; a save that fails (a full disk) removes its
+partial ``step_N/`` (:meth:`CheckpointDir.save`), so that freeing the space it needs is enough
+to resume. Resume (:meth:`CheckpointDir.open`) refuses, with a :class:`CheckpointError` naming
+the problem and the fix, a missing/empty/garbage ``latest``, an
 incomplete or corrupt checkpoint, another config (the keys that shape the run,
 :func:`identity`; changing any other key resumes), other data (what the data files hold,
 :func:`data_identity`, wherever they lie; ``trainer.resume_other_data=true`` accepts it),
@@ -337,18 +339,49 @@ class CheckpointDir:
         """All ranks: save step ``step`` (model, dense and fused optimizer state); rank 0 then
         writes ``meta.json``, ``history`` (this run's rows up to ``step``), ``window`` (the
         steps since the last row, rank 0's; ignored on other ranks), ``sha256sums`` and, last,
-        ``latest``; older checkpoints beyond ``keep_checkpoints`` go."""
+        ``latest``; older checkpoints beyond ``keep_checkpoints`` go. A save that fails where
+        no rank writes into ``step_N/`` any more (DCP raised, which it does on every rank; rank
+        0's sealing failed after every rank's DCP files were written) leaves no partial
+        ``step_N/`` (:meth:`_discard`), so that the space a user frees is enough to resume."""
         d = self.step_dir(step)
         if self.rank == 0 and os.path.exists(d):  # a save an earlier, killed run left unfinished
             _remove_step(d)
         dist.barrier()
-        dcp.save(_state(model, optimizer), checkpoint_id=d)
+        try:
+            dcp.save(_state(model, optimizer), checkpoint_id=d)
+        except CheckpointException:  # on every rank, once each rank's writes have returned
+            self._discard(step)
+            raise
         dist.barrier()  # every rank's files and the .metadata are written
         if self.rank == 0:
             if os.environ.get(PAUSE_ENV) == str(step):
                 time.sleep(3600)
-            self._seal(d, step, history, window)
+            try:
+                self._seal(d, step, history, window)
+            except Exception:  # a full disk: the other ranks wait at the barrier, writing nothing
+                self._discard(step)
+                raise
         dist.barrier()
+
+    def _discard(self, step: int) -> None:
+        """Rank 0, after a failed save of ``step``: remove its partial ``step_N/``, never a
+        complete checkpoint (``sha256sums`` present) nor the one ``latest`` names. Where that
+        fails too (a read-only file system), the directory stays: the save's error is the one
+        to report, and the next save of that step replaces it."""
+        d = self.step_dir(step)
+        if self.rank != 0 or os.path.exists(os.path.join(d, SUMS)) or self._maybe_latest(step):
+            return
+        shutil.rmtree(d, ignore_errors=True)
+
+    def _maybe_latest(self, step: int) -> bool:
+        """Whether ``latest`` names ``step``, or cannot be read to tell (no ``latest``: no)."""
+        try:
+            with open(os.path.join(self.path, LATEST)) as f:
+                return f.read().strip() == str(step)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
 
     def _seal(self, d: str, step: int, history: list[dict],
               window: dict[str, torch.Tensor] | None) -> None:
