@@ -36,17 +36,28 @@ stays off.
 as for a one-tensor bucket) and ``compiled_one_shot`` (in place), with the interval of the one
 whose upper end is higher; ``two_shot``, ``symm_two_shot``. To ship it, copy it to
 ``ops/all_reduce_tables/<gpu>-w<world>.json``.
+
+``--table-from JSON`` (no run, any machine): the same table from the rows of an earlier run's
+``--json`` file (which records the device, world size, versions and ``--iters``; for a file
+from before it recorded the versions, pass them as ``--versions TORCH,NCCL``; ``--iters`` then
+stands for its calls), written to ``--table-out`` (default: the cache path of the file's
+machine)::
+
+    python scripts/bench_allreduce.py --table-from allreduce-200-2.json \
+        --table-out ops/all_reduce_tables/NVIDIA_H200-w2.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -120,6 +131,28 @@ def latency_table(records: list[dict], machine: Machine, calls: int) -> LatencyT
                         "interleaved calls per size")
 
 
+def table_from_json(obj: dict, versions: tuple[str, str] | None = None, calls: int | None = None,
+                    source: str = "") -> LatencyTable:
+    """The table ``--write-table`` would have written, from the parsed ``--json`` file ``obj`` of a
+    CUDA run: its machine from the file (``versions``, torch and NCCL, where the file does not
+    record them), ``calls`` where it does not record its ``iters``; ``source`` named in the note.
+    ``ValueError`` saying what is missing."""
+    if (not isinstance(obj, dict) or obj.get("device", "cpu") == "cpu"
+            or not isinstance(obj.get("rows"), list)):
+        raise ValueError("not the --json file of a CUDA run (needs 'device', a GPU, and 'rows')")
+    found = (obj.get("torch"), obj.get("nccl"))
+    torch_version, nccl_version = found if all(found) else versions or (None, None)
+    if not (torch_version and nccl_version):
+        raise ValueError("the file does not record the torch and NCCL versions: pass --versions TORCH,NCCL")
+    calls = obj.get("iters", calls)
+    if not calls:
+        raise ValueError("the file does not record its calls per size: pass --iters")
+    table = latency_table(obj["rows"], Machine(obj["device"], obj["world"], torch_version,
+                                               nccl_version), calls)
+    return dataclasses.replace(table, note=f"{table.note}; rebuilt by --table-from {source}"
+                               if source else table.note)
+
+
 def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float, float]:
     """The median of ``xs`` and its distribution-free 95% interval (``z`` = 1.96): the order
     statistics of ranks ``(n - z sqrt(n)) / 2`` and ``1 + (n + z sqrt(n)) / 2`` (1-based,
@@ -179,7 +212,28 @@ def main() -> None:
     p.add_argument("--win-below", type=float, default=0.85, help="(verdict only)")
     p.add_argument("--write-table", action="store_true",
                    help="write the P50s as this machine's all-reduce table (CUDA; rank 0)")
+    p.add_argument("--table-from", metavar="JSON",
+                   help="no run: write the table from this --json file of a CUDA run (any machine)")
+    p.add_argument("--table-out", metavar="PATH",
+                   help="with --table-from: where (default: the cache path of the file's machine)")
+    p.add_argument("--versions", metavar="TORCH,NCCL",
+                   help="with --table-from: the versions measured, for a file that lacks them")
     a = p.parse_args()
+    if a.table_from:
+        versions = tuple(a.versions.split(",")) if a.versions else None
+        if versions is not None and len(versions) != 2:
+            p.error("--versions takes TORCH,NCCL")
+        try:
+            with open(a.table_from) as f:
+                table = table_from_json(json.load(f), versions, a.iters, os.path.basename(a.table_from))
+        except (OSError, ValueError) as e:
+            p.error(f"--table-from {a.table_from}: {e}")
+        path = a.table_out or cache_path(table.machine)
+        write_table(table, Path(path))
+        print(f"wrote {path} ({table.machine}: {table.note})")
+        return
+    if a.table_out or a.versions:
+        p.error("--table-out and --versions go with --table-from")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     # One compiled function per (size, dtype, algorithm), all from one lambda: dynamo keeps their
@@ -233,8 +287,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
         if a.json:
+            versions = {"torch": torch.__version__, "iters": a.iters}
+            if cuda:
+                versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
             with open(a.json, "w") as f:
-                json.dump({"world": world, "device": name, "rows": records}, f)
+                json.dump({"world": world, "device": name, **versions, "rows": records}, f)
         print(f"\n### all-reduce, {world} x {name}, torch {torch.__version__}, {a.iters} interleaved calls\n")
         print("| dtype | bucket | variant | P50 us | P10-P90 us | bus GB/s | P50 / nccl's | "
               "per-call ratio to nccl: median [95%] |")

@@ -178,13 +178,21 @@ case "${1:-}" in
       --json "$out/allreduce-$ngpu.json" 2>&1 | tee "$out/bench_allreduce.log" | grep -E "^###|rror"
     ;;
   overlap|overlap-table)  # the latency table auto reads below (cache dir: kept while the machine
-    # is warm; a copy comes back under $out/allreduce-table: ship it as
-    # ops/all_reduce_tables/<gpu>-w<world>.json), and auto's verdict line
+    # is warm; a copy comes back under $out/allreduce-table, its name's characters other than
+    # letters, digits, '.', '_' and '-' as '_' (the device tool returns no others: the cache
+    # name has torch's '+cu130'): ship it as ops/all_reduce_tables/<gpu>-w<world>.json, or
+    # rebuild it from the JSON with bench_allreduce.py --table-from), and auto's verdict line
     python3 -m torch.distributed.run --nproc-per-node="$ngpu" scripts/bench_allreduce.py --iters 200 \
       --write-table --json "$out/allreduce-200-$ngpu.json" 2>&1 | tee "$out/bench_allreduce-200.log" \
       | grep -E "^\||^###|^auto|^wrote|rror"
-    mkdir -p "$out/allreduce-table" && cp "$(grep -oP '^wrote \K.*' "$out/bench_allreduce-200.log")" \
-      "$out/allreduce-table/"
+    table=$(grep -oP '^wrote \K.*' "$out/bench_allreduce-200.log" | tail -1)
+    name=$(basename "${table:-none}")
+    if [ -f "$table" ]; then
+      mkdir -p "$out/allreduce-table" && cp "$table" "$out/allreduce-table/${name//[^A-Za-z0-9._-]/_}"
+      echo "table copy: $out/allreduce-table/${name//[^A-Za-z0-9._-]/_}"
+    else
+      echo "no table written (see $out/bench_allreduce-200.log)"
+    fi
     ;;&
   overlap|overlap-checks)  # the optimizer reads reduced grads with each reduction behind a spin
     # kernel on the communication stream (and not without the wait); losses as DDP's; then the

@@ -3,11 +3,13 @@ with what ``dense_allreduce=auto`` picks at each measured size.
 
     python scripts/plot_allreduce.py                                     # the shipped 2 x H200 table
     python scripts/plot_allreduce.py --table ~/.cache/recpipe/all_reduce/KEY.json --plot ar.png
+    python scripts/plot_allreduce.py --dtype bfloat16,float32 --plot ar.png  # a column per dtype
 
 Prints a markdown table (P50 microseconds per algorithm, auto's pick, its P50 ratio to NCCL and,
 where the table has them, the 95% interval of the per-call ratio of each symmetric algorithm)
-for ``--dtype``, and writes a PNG (log-log, the sizes where auto leaves NCCL shaded; needs
-matplotlib).
+per dtype of ``--dtype``, and writes a PNG (needs matplotlib), a column per dtype: the P50s
+(log-log, the sizes where auto leaves NCCL shaded) and, where the table has intervals, below
+them each symmetric algorithm's ratio interval against 1 and auto's bar (``1 - MARGIN``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from recpipe.ops.all_reduce_table import (
     ALGORITHMS,
+    MARGIN,
     LatencyTable,
     Machine,
     dtype_name,
@@ -75,22 +78,45 @@ def symmetric_spans(data: list[dict]) -> list[tuple[int, int]]:
     return spans
 
 
-def plot(data: list[dict], spans: list[tuple[int, int]], path: str, title: str) -> None:
+def plot(panels: list[tuple[str, list[dict], list[tuple[int, int]]]], path: str, title: str) -> None:
+    """A column per ``(dtype, rows, spans)`` of ``panels``: P50s, and the ratio intervals below
+    where the rows have them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["bytes"] for r in data]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lo, hi in spans:
-        ax.axvspan(lo, hi, color="tab:green", alpha=0.12, lw=0)
-    for a in (a for a in ALGORITHMS if a in data[0]):
-        ax.plot(sizes, [r[a] for r in data], marker="o", label=a.replace("_", "-"))
-    ax.plot(sizes, [r["auto_us"] for r in data], "k--", lw=2, label="auto (its pick)")
-    ax.set(xscale="log", yscale="log", xlabel="bucket bytes", ylabel="P50 latency (us)", title=title)
-    ax.set_xticks(sizes, [_size(s) for s in sizes], rotation=45)
-    ax.legend(title="shaded: auto leaves NCCL")
+    with_ci = any(r["ci"] for _, data, _ in panels for r in data)
+    nrows = 2 if with_ci else 1
+    fig, axes = plt.subplots(nrows, len(panels), figsize=(7 * len(panels), 4.2 * nrows),
+                             squeeze=False, sharex="col")
+    for col, (dtype, data, spans) in enumerate(panels):
+        sizes = [r["bytes"] for r in data]
+        ax = axes[0][col]
+        for lo, hi in spans:
+            for a in axes[:, col]:
+                a.axvspan(lo, hi, color="tab:green", alpha=0.12, lw=0)
+        for a in (a for a in ALGORITHMS if a in data[0]):
+            ax.plot(sizes, [r[a] for r in data], marker="o", label=a.replace("_", "-"))
+        ax.plot(sizes, [r["auto_us"] for r in data], "k--", lw=2, label="auto (its pick)")
+        ax.set(xscale="log", yscale="log", ylabel="P50 latency (us)", title=f"{title}, {dtype}")
+        ax.legend(title="shaded: auto leaves NCCL")
+        if with_ci:
+            ax = axes[1][col]
+            for k, a in enumerate(data[0]["ci"]):
+                shift = 1.08 ** (k - 0.5)  # side by side on the log axis
+                lo = [r["ci"][a][0] for r in data]
+                hi = [r["ci"][a][1] for r in data]
+                mid = [(x + y) / 2 for x, y in zip(lo, hi)]
+                ax.errorbar([s * shift for s in sizes], mid, yerr=[[m - x for m, x in zip(mid, lo)],
+                            [y - m for m, y in zip(mid, hi)]], fmt="none", capsize=3, lw=2,
+                            color=f"C{1 + k}", label=f"{a.replace('_', '-')} / NCCL, 95%")
+            ax.axhline(1, color="k", lw=1)
+            ax.axhline(1 - MARGIN, color="k", ls=":", lw=1, label=f"auto's bar ({1 - MARGIN:.2f})")
+            ax.set(xscale="log", ylabel="latency / NCCL's (per call)")
+            ax.legend(fontsize=8)
+        axes[-1][col].set_xlabel("bucket bytes")
+        axes[-1][col].set_xticks(sizes, [_size(s) for s in sizes], rotation=45)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -98,15 +124,20 @@ def plot(data: list[dict], spans: list[tuple[int, int]], path: str, title: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", type=Path, help="a table file (default: the shipped 2 x H200 one)")
-    parser.add_argument("--dtype", default="bfloat16", help="the table's dtype shown (default: bfloat16)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the table's dtypes shown, comma-separated (default: bfloat16)")
     parser.add_argument("--plot", help="write a PNG here")
     args = parser.parse_args()
     table = read_table(args.table or shipped_path(H200))
-    data = rows(table, getattr(torch, args.dtype))
-    print(markdown(table, data))
+    panels = []
+    for dtype in args.dtype.split(","):
+        data = rows(table, getattr(torch, dtype))
+        print(("\n" if panels else "") + f"### {dtype}\n\n" * (len(args.dtype.split(",")) > 1)
+              + markdown(table, data))
+        panels.append((dtype, data, symmetric_spans(data)))
     if args.plot:
         m = table.machine
-        plot(data, symmetric_spans(data), args.plot, f"all-reduce, {args.dtype}, {m.world} x {m.device}")
+        plot(panels, args.plot, f"all-reduce, {m.world} x {m.device}")
 
 
 if __name__ == "__main__":

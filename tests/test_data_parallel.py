@@ -114,7 +114,8 @@ def _dense_dmp(wrapper: BucketedAllReduce, group: dist.ProcessGroup) -> Distribu
 
 @pytest.mark.usefixtures("symmetric_h200")
 def test_plan_caps_buckets_where_symmetric_memory_wins(local_group: dist.ProcessGroup) -> None:
-    """On the 2 x H200 table, auto caps fp32 buckets at 16 MiB (two-shot); NCCL keeps 25 MiB."""
+    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), auto caps fp32 buckets at
+    16 MiB, the largest size where two-shot's interval shows a win; NCCL keeps 25 MiB."""
     K, M = 1 << 10, 1 << 20
     fp64 = (4 * 4 + 4) * 8
     expected = {
