@@ -32,9 +32,12 @@ bucketized)                                             later at the forward (al
 ``received``  data_dist    data_dist (P2)  i+1 -> i    ``"high_water"``: sized to the site's
 (all-to-all                                             high-water mark, so that the block
 outputs)                                                the last batch freed fits.
-``recat``     data_dist    main            i           main's pool, after an event on main;
-(P2 output)                (forward,                   ``"high_water"``: sized per module,
-                           backward)                   for varying row-wise ids. ``"ring"``:
+``recat``     data_dist    main            i           ``"exact"``: main's pool, after an
+(P2 output)                (forward,                   event on main (no ``record_stream``);
+                           backward)                   ``"torchrec"``: data_dist's (CPU: no
+                                                        streams, nothing to gain).
+                                                        ``"high_water"``: sized per module,
+                                                        for varying row-wise ids. ``"ring"``:
                                                         one pipeline slot per P2 call, after
                                                         main's event at the end of the slot's
                                                         step (out of main's pool, where it
@@ -57,7 +60,7 @@ from typing import Literal
 Inputs = Literal["fresh", "ring", "permuted"]
 FeaturePermute = Literal["fresh", "ring", "split_ring", "high_water"]
 Sizes = Literal["exact", "high_water"]
-Recat = Literal["exact", "high_water", "ring"]
+Recat = Literal["torchrec", "exact", "high_water", "ring"]
 InputDist = Literal["before_forward", "after_forward"]
 
 _CHOICES: dict[str, tuple[object, ...]] = {
@@ -65,7 +68,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "free_inputs": (True, False),
     "p1": ("fresh", "ring", "split_ring", "high_water"),
     "received": ("exact", "high_water"),
-    "recat": ("exact", "high_water", "ring"),
+    "recat": ("torchrec", "exact", "high_water", "ring"),
     "input_dist": ("before_forward", "after_forward"),
 }
 
@@ -132,8 +135,14 @@ def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
         problem = problem or "input_dist='after_forward' needs world size > 1 (no all-to-all to move)"
     if problem:
         raise ValueError(f"MemoryPlan: {problem}; leave it None")
-    recat = plan.recat or ("high_water" if facts.bucketized and received == "high_water" else "exact")
-    return MemoryPlan(inputs, free, p1, received, recat, input_dist)
+    return MemoryPlan(inputs, free, p1, received, plan.recat or _default_recat(facts, received),
+                      input_dist)
+
+
+def _default_recat(facts: Facts, received: Sizes) -> Recat:
+    if not facts.cuda or facts.world == 1:  # no streams (CPU) or no recat: nothing to gain
+        return "torchrec"
+    return "high_water" if facts.bucketized and received == "high_water" else "exact"
 
 
 def _default_p1(facts: Facts) -> FeaturePermute:

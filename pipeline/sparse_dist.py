@@ -195,8 +195,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._recat_ring = BufferRing(main, 1, stale_refs=stale) if plan.recat == "ring" else None
         #: what the pipeline did so far (:class:`PipelineStats`)
         self.stats = PipelineStats()
-        # P2, the recat after the all-to-all: only with more than one rank
-        self._redirect_dist_init = world > 1
+        # P2, the recat after the all-to-all (more than one rank), where the plan places it
+        self._redirect_dist_init = several and plan.recat != "torchrec"
+        self._release_sent = several  # what the all-to-alls sent goes a step early
         self._main = main
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
         self._received_sizes = HighWater() if several and plan.received == "high_water" else None
@@ -270,7 +271,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._memcpy_stream = memcpy
 
     def _start_input_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
-        if self._redirect_dist_init and self.contexts and self.contexts[0] is not context:
+        if self._release_sent and self.contexts and self.contexts[0] is not context:
             self._release_sent_inputs(self.contexts[0])
         copied = self._copied.get(context.index)  # (None or []: not copied by this pipeline)
         if copied and (self.redirecting is None or self._sizes_undecided):

@@ -32,6 +32,10 @@ def _is_recpipe_code(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(RECPIPE_DIRS) and "synthetic" not in filename
 
 
+class RecatPipeline(TrainPipelineSparseDist):
+    memory_plan = MemoryPlan(recat="exact")  # P2 into main-stream buffers, also on CPU
+
+
 class RingPipeline(TrainPipelineSparseDist):
     memory_plan = MemoryPlan(p1="split_ring")  # P1's ring, also on CPU (default: torchrec's P1)
     min_batch_bytes = 0  # for every batch, however small
@@ -41,7 +45,7 @@ def _inert_and_narrow(rank: int, world: int, device: torch.device) -> dict:
     spec = ModelSpec()
     pg = torch.distributed.group.WORLD
     model, optimizer = build_sharded(spec, SHARDING, device, pg, seed=1)
-    ours = (RingPipeline if world == 1 else TrainPipelineSparseDist)(model, optimizer, device)
+    ours = (RingPipeline if world == 1 else RecatPipeline)(model, optimizer, device)
     data = list(batches(spec, STEPS, rank, seed=2))
     it = iter(data)
     for _ in range(STEPS):
@@ -102,7 +106,7 @@ def _python_calls_per_step(rank: int, world: int, device: torch.device,
 
 class _CudaDefaults(TrainPipelineSparseDist):
     # as on CUDA (the all-to-all outputs' mode, P1 through recpipe's op),
-    memory_plan = MemoryPlan(p1="high_water", received="high_water")
+    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="exact")
     min_batch_bytes = 0  # for batches of any size
 
 

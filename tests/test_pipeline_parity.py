@@ -46,7 +46,8 @@ class WholePermutePipeline(RingEverywherePipeline):
 
 
 class StableSizesPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(p1="high_water", received="high_water")  # on CPU too
+    # on CPU too, P2 into main-stream buffers
+    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="exact")
     min_batch_bytes = 0  # for every batch, however small
 
 
@@ -73,6 +74,10 @@ class PermutedCopyPipeline(TrainPipelineSparseDist):
 
 class ActOnSmallBatchesPipeline(TrainPipelineSparseDist):
     min_batch_bytes = 0  # every placement at its default
+
+
+class MainRecatPipeline(TrainPipelineSparseDist):
+    memory_plan = MemoryPlan(recat="exact")  # P2 into main-stream buffers, on CPU too
 
 
 class RecatRingPipeline(TrainPipelineSparseDist):
@@ -326,11 +331,13 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
     for rank, r in enumerate(results):
         assert len(r["torchrec"]) == STEPS, r
         assert r["recpipe"] == r["torchrec"], f"rank {rank}: losses differ"
-        # The recat permute after the all-to-all runs in every 2-rank input dist; the
-        # feature-order permute stays torchrec's (its only reader is the all-to-all). On CUDA
-        # the first batch's copy is below min_batch_bytes, which turns the stable sizes off
-        # before its input dist: no permute output and no all-to-all output is sized.
-        assert r["redirected"].get("dist_init", 0) >= STEPS, r["redirected"]
+        # On CUDA the recat permute after the all-to-all runs in every 2-rank input dist (on
+        # CPU, with no streams, torchrec's runs); the feature-order permute stays torchrec's
+        # (its only reader is the all-to-all). On CUDA the first batch's copy is below
+        # min_batch_bytes, which turns the high-water sizes off before its input dist: no
+        # permute output and no all-to-all output is sized.
+        p2 = r["redirected"].get("dist_init", 0)
+        assert p2 >= STEPS if r["device"] == "cuda" else p2 == 0, r["redirected"]
         assert r["redirected"].get("input_dist", 0) == 0, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
         # what each batch's all-to-alls sent is given back a step early (all but the last batch)
@@ -414,10 +421,10 @@ def test_high_water_sizes_bit_identical_on_two_ranks(ours: type) -> None:
 
 
 def test_losses_bit_identical_on_four_ranks() -> None:
-    """4 ranks (issue 7's correctness check; gloo on CPU): mixed table-/column-wise, half the
-    steps (4 ranks on CI's 2 cores)."""
+    """4 ranks (issue 7's correctness check; gloo on CPU): mixed table-/column-wise, P2 into
+    main-stream buffers (CUDA's default), half the steps (4 ranks on CI's 2 cores)."""
     steps = STEPS // 2
-    results = run_ranks(4, _train, SHARDINGS["mixed_tw_cw"], steps)
+    results = run_ranks(4, _train, SHARDINGS["mixed_tw_cw"], steps, MainRecatPipeline)
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == steps
         assert r["redirected"].get("dist_init", 0) >= steps, r["redirected"]
