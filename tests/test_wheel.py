@@ -20,6 +20,7 @@ import pytest
 from test_cli import COMPOSE_ERRORS, ENV
 
 from recpipe.train import cli
+from recpipe.train.torchrun import LAUNCHER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = "trainer.stpes=3"  # a key typo: test_cli.COMPOSE_ERRORS's first case
@@ -156,6 +157,7 @@ def test_the_resume_command_repeats_how_the_run_was_started(
     monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=spec))
     monkeypatch.setattr(sys, "argv", [argv0, "data=synthetic", "trainer.resume=true"])
     monkeypatch.setattr(cli, "HydraConfig", _Overrides)
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)  # (plain torchrun's command)
     world = "2" if torchrun else "1"
     monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", world)
