@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -45,23 +45,6 @@ _HEADROOM = 64  # value buffers get 1/64 more than a batch needs: regrowth stays
 def _with_headroom(n: int) -> int:
     """``n`` elements plus 1/64: the size a recurring buffer takes when it grows."""
     return n + n // _HEADROOM
-
-
-T = TypeVar("T")
-
-
-def on_main_stream(main: torch.cuda.Stream | None, make: Callable[[], T]) -> T:
-    """``make()`` with ``main`` current (its tensors come from main's pool), then the current
-    stream waits on an event recorded on main after the allocation (a block handed to main may
-    still be read by main's queued kernels). ``main=None`` (CPU): ``make()``."""
-    if main is None:
-        return make()
-    with main:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
-        out = make()
-        allocated = torch.cuda.Event()
-        allocated.record(main)
-    torch.cuda.current_stream(main.device).wait_event(allocated)
-    return out
 
 
 class HighWater:
@@ -117,13 +100,26 @@ def padded_allocator(sizes: HighWater, by_call: bool = True) -> Allocator:
 
 
 def main_stream_allocator(main: torch.cuda.Stream | None, alloc: Allocator = allocate) -> Allocator:
-    """``alloc`` on ``main``; order the current (data_dist) stream after the allocation.
+    """``alloc`` with ``main`` current (its buffers come from main's pool), then the current
+    (data_dist) stream waits on an event recorded on main after the allocation: a block handed
+    to main may still be read by main's queued kernels.
 
-    The returned buffers belong to main's pool: the caller keeps a Python reference until the
-    main stream's reads are queued, and main must wait on data_dist before reading (torchrec's
-    ``PipelinedForward`` does). ``main=None`` (CPU) allocates plainly.
+    The caller keeps a Python reference until the main stream's reads are queued, and main must
+    wait on data_dist before reading (torchrec's ``PipelinedForward`` does). ``main=None`` (CPU)
+    allocates plainly.
     """
-    return lambda spec: on_main_stream(main, lambda: alloc(spec))
+    if main is None:
+        return alloc
+
+    def on_main(spec: PermuteSpec) -> PermuteBuffers:
+        with main:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
+            out = alloc(spec)
+            allocated = torch.cuda.Event()
+            allocated.record(main)
+        torch.cuda.current_stream(main.device).wait_event(allocated)
+        return out
+
+    return on_main
 
 
 class AllToAllOutputs(TorchFunctionMode):
