@@ -1,0 +1,58 @@
+"""The memory plan's defaults and refusals (recpipe.pipeline.plan.resolve): a pure function of
+the world size, the device, the sharding types and torchrec's own options."""
+
+from __future__ import annotations
+
+import pytest
+
+from recpipe.pipeline.plan import Facts, MemoryPlan, resolve
+
+TW_CW = frozenset({"table_wise", "column_wise"})
+TW_RW = frozenset({"table_wise", "row_wise"})
+
+
+@pytest.mark.parametrize("facts, expected", [
+    # one GPU: P1 into the split ring (the whole ring with row-wise tables), the copy ring
+    (Facts(1, True, TW_CW), MemoryPlan("ring", True, "split_ring", "exact", "torchrec", "before_forward")),
+    (Facts(1, True, TW_RW), MemoryPlan("ring", True, "ring", "exact", "torchrec", "before_forward")),
+    # several GPUs: the permuted copy, high-water sizes; P2 in main's pool, sized with row-wise
+    (Facts(2, True, TW_CW), MemoryPlan("permuted", True, "high_water", "high_water", "exact",
+                                       "before_forward")),
+    (Facts(2, True, TW_RW), MemoryPlan("permuted", True, "high_water", "high_water", "high_water",
+                                       "before_forward")),
+    # data-parallel tables (main reads P1's values): the copy ring instead of the permuted copy
+    (Facts(2, True, TW_CW | {"data_parallel"}), MemoryPlan("ring", True, "high_water", "high_water",
+                                                          "exact", "before_forward")),
+    # torchrec's own copy or early free: its copy; its clear_data_dist_inputs: no P1 ring
+    (Facts(2, True, TW_CW, torchrec_copies_or_frees=True),
+     MemoryPlan("fresh", True, "high_water", "high_water", "exact", "before_forward")),
+    (Facts(1, True, TW_CW, torchrec_clears=True),
+     MemoryPlan("ring", True, "fresh", "exact", "torchrec", "before_forward")),
+    # CPU: no streams, torchrec's placements but the early give-back of what was sent
+    (Facts(1, False, TW_CW), MemoryPlan("fresh", False, "fresh", "exact", "torchrec", "before_forward")),
+    (Facts(2, False, TW_CW), MemoryPlan("fresh", False, "fresh", "exact", "torchrec", "before_forward")),
+])
+def test_defaults(facts: Facts, expected: MemoryPlan) -> None:
+    assert resolve(MemoryPlan(), facts) == expected
+
+
+def test_a_chosen_field_stays_and_the_rest_follow_the_model() -> None:
+    plan = resolve(MemoryPlan(free_inputs=False, recat="ring"), Facts(2, True, TW_RW))
+    assert plan == MemoryPlan("fresh", False, "high_water", "high_water", "ring", "before_forward")
+
+
+@pytest.mark.parametrize("plan, facts, problem", [
+    (MemoryPlan(p1="split_ring"), Facts(2, True, TW_CW), "p1='split_ring' needs world size 1"),
+    (MemoryPlan(p1="split_ring"), Facts(1, True, TW_RW), "does not work with row-wise tables"),
+    (MemoryPlan(p1="ring"), Facts(1, True, TW_CW, torchrec_clears=True), "clear_data_dist_inputs"),
+    (MemoryPlan(inputs="ring"), Facts(1, False, TW_CW), "inputs='ring' needs free_inputs on CUDA"),
+    (MemoryPlan(inputs="permuted"), Facts(2, True, frozenset()), "needs a sharding plan"),
+    (MemoryPlan(inputs="permuted"), Facts(2, True, TW_CW, postproc=True), "pipeline_postproc"),
+    (MemoryPlan(recat="ring"), Facts(1, True, TW_CW), "recat='ring' needs world size > 1"),
+    (MemoryPlan(p1=True), Facts(1, True, TW_CW), "MemoryPlan.p1 must be one of"),
+    (MemoryPlan(free_inputs=0), Facts(1, True, TW_CW), "MemoryPlan.free_inputs must be one of"),
+])
+def test_a_placement_that_does_not_work_is_named(plan: MemoryPlan, facts: Facts, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(")) as e:
+        resolve(plan, facts)
+    assert "\n" not in str(e.value)
