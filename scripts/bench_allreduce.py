@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import statistics
@@ -64,6 +63,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from recpipe.bench.gpu_timing import device_ms
+from recpipe.bench.stats import median_interval
 from recpipe.ops.all_reduce import all_reduce_flat, compile_symmetric
 from recpipe.ops.all_reduce_table import (
     Latencies,
@@ -151,19 +151,6 @@ def table_from_json(obj: dict, versions: tuple[str, str] | None = None, calls: i
                                                nccl_version), calls)
     return dataclasses.replace(table, note=f"{table.note}; rebuilt by --table-from {source}"
                                if source else table.note)
-
-
-def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float, float]:
-    """The median of ``xs`` and its distribution-free 95% interval (``z`` = 1.96): the order
-    statistics of ranks ``(n - z sqrt(n)) / 2`` and ``1 + (n + z sqrt(n)) / 2`` (1-based,
-    outward), between which the true median lies with about 95% probability for independent
-    samples (the count of samples below it is binomial; normal approximation). Few samples: the
-    whole range."""
-    xs = sorted(xs)
-    n = len(xs)
-    half = z * math.sqrt(n)
-    lo, hi = max(math.floor((n - half) / 2), 1), min(math.ceil(1 + (n + half) / 2), n)
-    return xs[lo - 1], statistics.median(xs), xs[hi - 1]
 
 
 def auto_verdict(records: list[dict], win_sizes: tuple[int, int], win_below: float) -> list[str]:

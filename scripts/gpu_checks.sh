@@ -5,7 +5,8 @@
 #        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
 #        pipeline-bench: large config, 5 alternating runs per pipeline
 #   bash scripts/gpu_checks.sh pipeline-shared  # 1 GPU: 2 gloo ranks share it (P2 on CUDA)
-#   bash scripts/gpu_checks.sh host       # 1 GPU: host cost, one process and the small config's 7 runs
+#   bash scripts/gpu_checks.sh host       # 1 GPU: host cost, one process and the small config's 7 runs;
+#        then the interleaved host-time method (profile_host.py --blocks) for small and MovieLens
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: allreduce-checks + allreduce-bench
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
 #        allreduce-bench: step time with each dense all-reduce, 5 alternating runs, small and
@@ -84,7 +85,7 @@ case "${1:-}" in
     python3 scripts/profile_host.py --config small --pipelines torchrec,recpipe 2>/dev/null \
       | tee "$out/profile_small.txt" | head -2
     python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 300 --steps 100 \
-      --pipelines torchrec,recpipe --time-limit "$(left 200)" --json "$out/small.json" \
+      --pipelines torchrec,recpipe --time-limit "$(left 280)" --json "$out/small.json" \
       --out "$out/small.md" 2>&1 | tee "$out/small.log" | grep -E "^\||^###|vs|time-limit|rror"
     for i in 1 2 3; do
       for p in torchrec recpipe; do
@@ -92,6 +93,11 @@ case "${1:-}" in
           output_dir="$out/movielens-$p-$i" > "$out/movielens-$p-$i.log" 2>&1
         echo "movielens $p run $i: $(grep -oE '[0-9]+ samples/s' "$out/movielens-$p-$i.log" | tail -1)"
       done
+    done
+    # the interleaved host-time method (issue 41): one process, 20 alternating rounds x 10 steps
+    for c in small movielens; do
+      python3 scripts/profile_host.py --config $c --blocks 20 --block-steps 10 --warmup 50 \
+        --json "$out/host-time-$c.json" 2>/dev/null | tee "$out/host-time-$c.md"
     done
     ;;
   pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the
