@@ -8,8 +8,8 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   allocation (a block handed to main may still be read by main's queued kernels).
   :class:`AllToAllOutputs` sizes the all-to-all outputs (P2's inputs, data_dist's pool) by
   :class:`HighWater`: equal sizes from batch to batch, so that freed blocks fit.
-- :class:`BufferRing` (P1, the feature-order permute in ``input_dist``): pipeline-owned buffers,
-  one slot per batch in flight. A slot is written only after an event recorded on main at the
+- :class:`BufferRing` (P1, the feature-order permute in ``input_dist``; with ``recat="ring"``,
+  P2 too, one slot): pipeline-owned buffers, one slot per batch in flight. A slot is written only after an event recorded on main at the
   end of the step that last used it. Whole permute (3 slots): written on data_dist, the step
   that last used the slot was queued a step earlier, so the wait costs nothing and no host sync
   on data_dist waits for main's queued work. Split permute (:meth:`BufferRing.split_runner`,
@@ -54,8 +54,9 @@ class HighWater:
     Why: batch sizes vary a little (the large config's KJTs by about 1 MiB in 1 GiB). With exact
     sizes, the block that one batch's tensor freed is a little too small for the next batch's,
     so the caching allocator takes a new segment, and the pool keeps both (one extra
-    batch-sized segment per pool; docs/design.md). With equal sizes each freed block fits the next batch's tensor. Cost: up to 1/64 more bytes
-    per tensor, and a larger size is kept after a larger batch."""
+    batch-sized segment per pool; docs/design.md). With equal sizes each freed block fits the
+    next batch's tensor. Cost: up to 1/64 more bytes per tensor, and a larger size is kept
+    after a larger batch."""
 
     def __init__(self) -> None:
         self._numel: dict[Hashable, int] = {}
@@ -183,11 +184,13 @@ class _Slot:
 
 
 class BufferRing:
-    """Pipeline-owned P1 output buffers: ``depth`` slots, batch ``i`` uses slot ``i % depth``.
+    """Pipeline-owned permute output buffers (P1's; P2's with ``recat="ring"``): ``depth``
+    slots, batch ``i`` uses slot ``i % depth``.
 
-    Contract: the pipeline calls :meth:`allocator` on the stream that writes the slot
-    (data_dist, or the side stream of :meth:`split_runner`) for each batch's input dist, and :meth:`release` on the main stream once the batch's forward, backward and
-    optimizer step are queued (its last use of the slot; on several ranks main has by then
+    Contract: the pipeline calls :meth:`allocator` on the stream that writes the slot (data_dist,
+    or the side stream of :meth:`split_runner`) for each batch's permutes (P1 in its input dist,
+    P2 in its forward), and :meth:`release` on the main stream once the batch's forward, backward
+    and optimizer step are queued (its last use of the slot; on several ranks main has by then
     waited on data_dist, so the all-to-all reads of the slot are covered too). Results are
     views of the slot; a slot whose memory is still used by a view when its turn comes again
     (the caller kept an earlier batch's output) gets new memory instead of being overwritten.

@@ -38,24 +38,28 @@ outputs)                                                the last batch freed fit
                                                         streams, nothing to gain).
                                                         ``"high_water"``: sized per module,
                                                         for varying row-wise ids. ``"ring"``:
-                                                        one pipeline slot per P2 call, after
-                                                        main's event at the end of the slot's
-                                                        step (out of main's pool, where it
-                                                        splits backward's large blocks).
+                                                        one pipeline slot (a buffer per P2
+                                                        call), after main's event at the end
+                                                        of the slot's step (out of main's
+                                                        pool, where it splits backward's
+                                                        large blocks).
 ============  ===========  ==============  ===========  ===================================
 
 ``input_dist="after_forward"`` starts batch i+1's input dist after batch i's forward is queued,
 so that its data_dist allocations reuse what that forward's P2 dropped: less memory, at the cost
-of a host read of the splits behind that forward.
+of a host read of the splits behind that forward. The copy ring then saves nothing (the next
+batch's copy comes before the release), so the copies are ``"fresh"`` where not ``"permuted"``.
 
-Every placement is ordered by events, never by ``record_stream``: a slot is written again only
-after its last reader's event; main-stream memory is freed by main, in stream order.
+recpipe's placements are ordered by events, not by ``record_stream``: a slot is written again
+only after its last reader's event; main-stream memory is freed by main, in stream order.
+``"fresh"`` and ``"torchrec"`` are torchrec's own (``record_stream``), as are the split
+permute's small lengths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, get_args
 
 Inputs = Literal["fresh", "ring", "permuted"]
 FeaturePermute = Literal["fresh", "ring", "split_ring", "high_water"]
@@ -63,17 +67,10 @@ Sizes = Literal["exact", "high_water"]
 Recat = Literal["torchrec", "exact", "high_water", "ring"]
 InputDist = Literal["before_forward", "after_forward"]
 
-_CHOICES: dict[str, tuple[object, ...]] = {
-    "inputs": ("fresh", "ring", "permuted"),
-    "free_inputs": (True, False),
-    "p1": ("fresh", "ring", "split_ring", "high_water"),
-    "received": ("exact", "high_water"),
-    "recat": ("torchrec", "exact", "high_water", "ring"),
-    "input_dist": ("before_forward", "after_forward"),
-}
-
-# sharding types whose input dist sends P1's output as it is, or bucketizes it on data_dist
-# (row-wise): the permuted copy's order is theirs
+_CHOICES: dict[str, tuple[object, ...]] = dict(
+    inputs=get_args(Inputs), free_inputs=(True, False), p1=get_args(FeaturePermute),
+    received=get_args(Sizes), recat=get_args(Recat), input_dist=get_args(InputDist))
+# sharding types whose input dist sends P1's output as it is or bucketizes it: P1's order holds
 _COPIED_IN_ORDER = frozenset({"table_wise", "column_wise", "table_column_wise", "row_wise"})
 
 
@@ -126,13 +123,10 @@ def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
     p1 = plan.p1 or _default_p1(facts)
     problem = _p1_problem(p1, facts)
     received = plan.received or ("high_water" if cuda and world > 1 else "exact")
-    inputs = plan.inputs or _default_inputs(facts, free)
-    problem = problem or _inputs_problem(inputs, facts, free)
     input_dist = plan.input_dist or "before_forward"
-    if plan.recat == "ring" and world == 1:
-        problem = problem or "recat='ring' needs world size > 1 (no recat at one rank)"
-    if input_dist == "after_forward" and world == 1:
-        problem = problem or "input_dist='after_forward' needs world size > 1 (no all-to-all to move)"
+    inputs = plan.inputs or _default_inputs(facts, free, input_dist)
+    problem = problem or _inputs_problem(inputs, facts, free, plan.free_inputs, input_dist)
+    problem = problem or _several_ranks_problem(plan, facts)
     if problem:
         raise ValueError(f"MemoryPlan: {problem}; leave it None")
     return MemoryPlan(inputs, free, p1, received, plan.recat or _default_recat(facts, received),
@@ -167,20 +161,37 @@ def _p1_problem(p1: FeaturePermute, facts: Facts) -> str | None:
     return None
 
 
-def _default_inputs(facts: Facts, free: bool) -> Inputs:
+def _several_ranks_problem(plan: MemoryPlan, facts: Facts) -> str | None:
+    """A placement of the all-to-all's tensors chosen where they are not intercepted."""
+    if facts.world == 1:
+        for name in ("received", "recat", "input_dist"):
+            value = getattr(plan, name)
+            if value not in (None, "exact", "torchrec", "before_forward"):
+                return f"{name}={value!r} needs world size > 1 (no all-to-all at one rank)"
+    if plan.recat == "ring" and facts.torchrec_clears:
+        return "recat='ring' does not work with torchrec's clear_data_dist_inputs (P2 on main)"
+    return None
+
+
+def _default_inputs(facts: Facts, free: bool, input_dist: InputDist) -> Inputs:
     if not free or facts.torchrec_copies_or_frees:
         return "fresh"
     if (facts.world > 1 and not facts.torchrec_clears and not facts.postproc
             and facts.types and facts.types <= _COPIED_IN_ORDER):
         return "permuted"
-    return "ring"
+    return "fresh" if input_dist == "after_forward" else "ring"
 
 
-def _inputs_problem(inputs: Inputs, facts: Facts, free: bool) -> str | None:
+def _inputs_problem(inputs: Inputs, facts: Facts, free: bool, chosen_free: bool | None,
+                    input_dist: InputDist) -> str | None:
     if inputs == "ring" and (not free or facts.torchrec_copies_or_frees):
         return "inputs='ring' needs free_inputs on CUDA and the pipeline's own copy"
+    if inputs == "ring" and input_dist == "after_forward":
+        return "inputs='ring' saves nothing with input_dist='after_forward' (copy before release)"
     if inputs != "permuted":
         return None
+    if chosen_free is False:  # the model reads the inputs elsewhere: not in P1's order
+        return "inputs='permuted' needs free_inputs (only the input dists may read the values)"
     return (
         "inputs='permuted' needs world size > 1 (no all-to-all reads the values)"
         if facts.world == 1

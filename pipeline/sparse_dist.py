@@ -3,24 +3,11 @@ reusable on time.
 
 A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
 where the batch-sized tensors of the sparse input distribution live, as its
-:class:`~recpipe.pipeline.plan.MemoryPlan` says (the table of tensors, streams and reuse events
-is in :mod:`recpipe.pipeline.plan`; docs/design.md):
-
-- the host-to-device copy of the P1 inputs: a pipeline-owned
-  :class:`~recpipe.pipeline.buffers.CopyRing` slot, or (world size > 1) the
-  :class:`~recpipe.pipeline.permuted_copy.PermutedCopy` slot, already in P1's order, that the
-  all-to-all sends; the other P1 inputs freed once the batch's input dists are queued, as
-  torchrec >= 1.7's ``free_features_storage_early`` does, for the pipeline's own copies only;
-- P1, the feature-order permute in ``input_dist`` (data_dist): a
-  :class:`~recpipe.pipeline.buffers.BufferRing` (world size 1, where main reads P1's output),
-  or data_dist's pool at the site's high-water size (:class:`~recpipe.pipeline.buffers.HighWater`);
-- what the all-to-alls sent (P1's output, a row-wise group's bucketized KJT): dropped on data_dist
-  once the all-to-all is waited, not a step later at the forward
-  (:meth:`TrainPipelineSparseDist._release_sent_inputs`);
-- the all-to-all outputs: data_dist's pool at the site's high-water size
-  (:class:`~recpipe.pipeline.buffers.AllToAllOutputs`);
-- P2, the recat permute in ``dist_init`` (world size > 1, inside the pipelined forward): main's
-  pool (:func:`~recpipe.pipeline.buffers.main_stream_allocator`).
+:class:`~recpipe.pipeline.plan.MemoryPlan` says: the table of tensors, their streams and reuse
+events is :mod:`recpipe.pipeline.plan`'s; the memory is :mod:`recpipe.pipeline.buffers`' rings
+and sizes and :mod:`recpipe.pipeline.permuted_copy`'s slot; each hook's place in torchrec's
+``progress()``: docs/hot_path.md. What the all-to-alls sent is dropped on data_dist once the
+all-to-all is waited, not a step later at the forward (:meth:`_release_sent_inputs`).
 
 How the permutes are reached: Python runs at P1 and P2 only. The batch's KJTs take a
 per-pipeline subclass (:func:`recpipe.kjt.redirecting_kjt_type`) during each pipelined module's
@@ -179,7 +166,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             postproc=bool(getattr(self, "_pipeline_postproc", False)),
         )
         plan = resolve(self.memory_plan, facts)
-        #: the resolved memory plan (``memory_plan`` with the model's defaults filled in)
+        #: the resolved memory plan (``memory_plan`` with the model's defaults filled in); the
+        #: first batch may turn parts of it off (``min_batch_bytes``, ``redirecting``)
         self.plan: MemoryPlan = plan
         self._bucketized = facts.bucketized
         self._use_ring = plan.p1 in ("ring", "split_ring")
@@ -190,9 +178,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         stale = stale_index_refs(self._model)
         self._ring = BufferRing(main, 2 if self.uses_split_permute else 3, stale_refs=stale)
         several = world > 1
-        # P2's outputs in one pipeline slot per call (recat="ring"): the next batch's P2 runs in
-        # its forward, queued after this batch's backward, whose end releases the slot
-        self._recat_ring = BufferRing(main, 1, stale_refs=stale) if plan.recat == "ring" else None
+        # recat="ring": P2's outputs in one pipeline slot (empty otherwise); the next batch's P2
+        # runs in its forward, queued after this batch's backward, whose end releases the slot
+        self._recat_ring = BufferRing(main, 1, stale_refs=stale)
         #: what the pipeline did so far (:class:`PipelineStats`)
         self.stats = PipelineStats()
         # P2, the recat after the all-to-all (more than one rank), where the plan places it
@@ -253,12 +241,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     @contextmanager
     def _copy_waited(self, batch: In, copied: torch.cuda.Event | None) -> Iterator[None]:
-        """Within the block, torchrec's start of ``batch``'s input dist makes data_dist wait
-        for ``copied`` (recorded on the memcpy stream after ``batch``'s copy), not for the
-        whole memcpy stream: a deferred start would wait for batch i+2's copy too (with the
-        permuted copy, all of it but the planned KJT's values, which go on another stream).
-        As torchrec does, ``batch`` is recorded on data_dist first: ``free_inputs``
-        gives its storages back inside the block."""
+        """Within the block, torchrec's start of ``batch``'s input dist makes data_dist wait for
+        ``copied`` (recorded on memcpy after ``batch``'s copy), not for the whole memcpy stream,
+        which by then holds batch i+2's copy too. As torchrec does, ``batch`` is recorded on
+        data_dist first: ``free_inputs`` gives its storages back inside the block."""
         if copied is None:
             yield
             return
@@ -355,10 +341,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self._use_ring = self._free_inputs = self._use_copy_ring = False
 
     def _recat_runner(self) -> Runner:
-        """P2's runner: main-stream buffers, sized to their site's high-water mark where the
-        plan says (by default with row-wise tables, while the all-to-all outputs are sized).
-        Exact sizes otherwise: on steady sizes main's pool shares P2's blocks with the
-        activations, which the exact sizes fit."""
+        """P2's runner for ``recat`` in main's pool: buffers sized to their site's high-water
+        mark where the plan says (by default with row-wise tables, while the all-to-all outputs
+        are sized). Exact sizes otherwise: on steady sizes main's pool shares P2's blocks with
+        the activations, which the exact sizes fit. (Unused with ``"ring"``, whose runner is
+        per batch, and ``"torchrec"``, where P2 is not intercepted.)"""
         chosen = self.memory_plan.recat is not None or self._received_sizes is not None
         sized = self.plan.recat == "high_water" and chosen and self._redirect_dist_init
         alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate
@@ -367,9 +354,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def _recat_runner_of(self, index: int) -> Runner | None:
         """Batch ``index``'s P2 runner where P2 writes into the recat ring (its k-th call into
         the slot's k-th buffers), else None (the pipeline's ``_dist_init_runner``)."""
-        if self._recat_ring is None:
-            return None
-        return write_into(self._recat_ring.allocator(index))
+        ring = self.plan.recat == "ring"
+        return write_into(self._recat_ring.allocator(index)) if ring else None
 
     def _before_recat(self, index: int, runner: Runner | None) -> None:
         """Before each P2 of batch ``index`` (inside its forward): the batch the permuted copy
@@ -509,7 +495,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 raise RuntimeError(
                     "recpipe: a batch's copy into the permuted copy's slot was needed before "
                     "the batch in the slot was sent (not torchrec's order of input dists); set "
-                    "memory_plan = MemoryPlan(inputs='ring')"
+                    "inputs='fresh' in the memory_plan"
                 )
             self._release_sent_inputs(context)
         stream = self._data_dist_stream if context is not None else self._main
@@ -574,13 +560,15 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self.stats.outputs_sized += outputs.made
         else:
             super().wait_sparse_data_dist(context)
-        if self._redirect_dist_init and not dist_init_on_main_stream():
+        learned = context.index in self._learned_from
+        if (self._redirect_dist_init or learned) and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
             runner, before = self._recat_runner_of(context.index), None
-            if runner is not None or context.index in self._learned_from:
+            if runner is not None or learned:
                 before = partial(self._before_recat, context.index, runner)
+            kjt_type = self._kjt_type if self._redirect_dist_init else None  # (None: torchrec's P2)
             for name, request in requests.items():
-                requests[name] = _DistInitRedirected(request, self._kjt_type, before)
+                requests[name] = _DistInitRedirected(request, kjt_type, before)
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
@@ -594,8 +582,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         state kept per batch index."""
         super().reset()
         self._ring.forget_owners()
-        if self._recat_ring is not None:
-            self._recat_ring.forget_owners()
+        self._recat_ring.forget_owners()
         self._late = None
         for kept in (self._copied, self._releasable, self._learned_from):
             kept.clear()
@@ -606,8 +593,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def dequeue_batch(self) -> None:
         # Called on main at the end of progress(): batch contexts[0]'s work is all queued.
         self._ring.release(self.contexts[0].index)
-        if self._recat_ring is not None:
-            self._recat_ring.release(self.contexts[0].index)
+        self._recat_ring.release(self.contexts[0].index)
         if self._copy_ring_on:
             self._copy_ring.release_late(self.contexts[0].index, self._main)
         if self.redirecting is False:  # the first batches' slots, once main is done with them
@@ -623,7 +609,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     @property
     def ring_nbytes(self) -> int:
         """Bytes held by the pipeline-owned permute buffers (P1's ring, the recat ring)."""
-        return self._ring.nbytes + (self._recat_ring.nbytes if self._recat_ring else 0)
+        return self._ring.nbytes + self._recat_ring.nbytes
 
     @property
     def copy_ring_nbytes(self) -> int:
@@ -642,9 +628,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
 
     @property
     def ring_replaced(self) -> int:
-        """Ring buffers (P1's, the recat ring's) given new memory because a result of an earlier
-        batch still used them."""
-        return self._ring.replaced + (self._recat_ring.replaced if self._recat_ring else 0)
+        """Ring buffers (P1's, P2's) given new memory: a result of an earlier batch used them."""
+        return self._ring.replaced + self._recat_ring.replaced
 
 
 def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocator:
@@ -697,11 +682,12 @@ def _with_kjt_type(
 class _DistInitRedirected(Awaitable[Any]):
     """An input-dist tensors request whose all-to-alls' ``dist_init`` (P2) is ``kjt_type``'s:
     their input KJTs take that class during the wait only (one may be the batch's own KJT,
-    when ``KeyedJaggedTensor.split`` returns it whole). ``before()`` runs first. Streams:
+    when ``KeyedJaggedTensor.split`` returns it whole; None: torchrec's own P2). ``before()``
+    runs first. Streams:
     torchrec's ``PipelinedForward`` waits it on data_dist, then makes main wait on data_dist."""
 
     def __init__(
-        self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor],
+        self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor] | None,
         before: Callable[[], object] | None = None,
     ) -> None:
         super().__init__()
@@ -713,6 +699,8 @@ class _DistInitRedirected(Awaitable[Any]):
     def _wait_impl(self) -> Any:
         if self._before is not None:
             self._before()
+        if self._kjt_type is None:
+            return self._inner.wait()
         inputs = [all_to_all_input(a) for a in all_to_all_awaitables(self._inner)]
         with as_type([k for k in inputs if type(k) is KeyedJaggedTensor], self._kjt_type):
             return self._inner.wait()

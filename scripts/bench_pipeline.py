@@ -120,7 +120,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     torch.cuda.synchronize()
     mid = warmup + steps // 2
     return dict(
-        ring=getattr(pipeline, "ring_nbytes", 0) / 2**20,  # recpipe's P1 buffers
+        ring=getattr(pipeline, "ring_nbytes", 0) / 2**20,  # recpipe's ring buffers (P1, P2)
         seen=seen,
         ring_replaced=getattr(pipeline, "ring_replaced", 0),
         ms=[s.elapsed_time(e) for s, e in times],

@@ -192,9 +192,9 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
         (dict(inputs="permuted"), "MemoryPlan: inputs='permuted' needs world size > 1 (no "
                                   "all-to-all reads the values); leave it None"),
         (dict(input_dist="after_forward"), "MemoryPlan: input_dist='after_forward' needs world "
-                                           "size > 1 (no all-to-all to move); leave it None"),
-        (dict(recat="ring"), "MemoryPlan: recat='ring' needs world size > 1 (no recat at one "
-                             "rank); leave it None"),
+                                           "size > 1 (no all-to-all at one rank); leave it None"),
+        (dict(recat="ring"), "MemoryPlan: recat='ring' needs world size > 1 (no all-to-all at "
+                             "one rank); leave it None"),
         (dict(inputs="fresh", free_inputs=False), "no error"),
     ],
 )

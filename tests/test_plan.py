@@ -36,6 +36,14 @@ def test_defaults(facts: Facts, expected: MemoryPlan) -> None:
     assert resolve(MemoryPlan(), facts) == expected
 
 
+def test_after_forward_copies_fresh_where_not_permuted() -> None:
+    """The one-slot copy ring saves nothing when the next batch's copy comes before the
+    release: with the input dist after the forward the copies are torchrec's."""
+    plan = resolve(MemoryPlan(input_dist="after_forward"), Facts(2, True, TW_CW | {"data_parallel"}))
+    assert plan.inputs == "fresh"
+    assert resolve(MemoryPlan(input_dist="after_forward"), Facts(2, True, TW_RW)).inputs == "permuted"
+
+
 def test_a_chosen_field_stays_and_the_rest_follow_the_model() -> None:
     plan = resolve(MemoryPlan(free_inputs=False, recat="ring"), Facts(2, True, TW_RW))
     assert plan == MemoryPlan("fresh", False, "high_water", "high_water", "ring", "before_forward")
@@ -49,6 +57,11 @@ def test_a_chosen_field_stays_and_the_rest_follow_the_model() -> None:
     (MemoryPlan(inputs="permuted"), Facts(2, True, frozenset()), "needs a sharding plan"),
     (MemoryPlan(inputs="permuted"), Facts(2, True, TW_CW, postproc=True), "pipeline_postproc"),
     (MemoryPlan(recat="ring"), Facts(1, True, TW_CW), "recat='ring' needs world size > 1"),
+    (MemoryPlan(received="high_water"), Facts(1, True, TW_CW), "received='high_water' needs world"),
+    (MemoryPlan(recat="ring"), Facts(2, True, TW_CW, torchrec_clears=True), "P2 on main"),
+    (MemoryPlan(inputs="permuted", free_inputs=False), Facts(2, True, TW_CW), "needs free_inputs"),
+    (MemoryPlan(inputs="ring", input_dist="after_forward"), Facts(2, True, TW_CW | {"data_parallel"}),
+     "saves nothing with input_dist='after_forward'"),
     (MemoryPlan(p1=True), Facts(1, True, TW_CW), "MemoryPlan.p1 must be one of"),
     (MemoryPlan(free_inputs=0), Facts(1, True, TW_CW), "MemoryPlan.free_inputs must be one of"),
 ])
