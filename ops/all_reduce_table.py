@@ -15,9 +15,8 @@ median of the per-call ratios of interleaved calls: see ``scripts/bench_allreduc
                              "ratio_ci95": {"one_shot": [[1.08, 1.17], ...],
                                             "two_shot": [[1.31, 1.45], ...]}}}}
 
-``ratio_ci95`` is optional: a schema 1 file (the same without it, as the 2 x H200 table of 50
-calls per size shipped until 2026-11-28) is still read, its P50 ratios standing for the
-intervals' upper ends. The shipped 2 x H200 table (``NVIDIA_H200-w2.json``) is schema 2: 200
+``ratio_ci95`` is optional: a schema 1 file (the same without it) is still read, its P50 ratios
+standing for the intervals' upper ends. The shipped 2 x H200 table (``NVIDIA_H200-w2.json``) is schema 2: 200
 calls per size, bf16 and fp32 each measured (``scripts/bench_allreduce.py --table-from`` of the
 run's JSON, ``docs/results/allreduce-200_2xH200_2026-11-28.json``).
 

@@ -7,12 +7,13 @@ Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce()
 Buckets. Each bucket is a group of dense (unsharded) parameters of one dtype, in reverse
 registration order (about the order backward produces their grads), up to the bucket cap
 (:class:`BucketedAllReduce`'s ``bucket_cap_mb``, lowered by ``"auto"`` and ``"symm_mem"`` to the
-largest size they reduce through symmetric memory: 16 MiB on 2 x H200). Consecutive grads are
-packed up to the cap, so where the grads are small next to it the buckets come near it (8-16
-MiB there, where two-shot beats NCCL). A gradient larger than the cap is a bucket of its own
-(NCCL's range; the small grads before it, such as its layer's bias, make another). It is not
-split into symmetric-size pieces: they would all land at once (no earlier start), and on the
-2 x H200 table NCCL costs less per byte at 64 MiB than two-shot at 16 MiB. What is left at the
+largest size they reduce through symmetric memory, from the machine's measured table).
+Consecutive grads are packed up to the cap, so where the grads are small next to it the buckets
+come near it, where the table shows symmetric memory winning. A gradient larger than the cap is
+a bucket of its own (NCCL's range; the small grads before it, such as its layer's bias, make
+another). It is not split into symmetric-size pieces: they would all land at once (no earlier
+start), and NCCL's cost per byte at large sizes is below two-shot's at the cap
+(docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is left at the
 end (the first layers' grads, which backward produces last) is the last bucket: the only
 reduction that cannot overlap backward.
 
@@ -26,8 +27,9 @@ backward's first dense grad, a callback is queued on the autograd engine (``queu
 as DDP's reducer does); it runs when that backward ends, on the stream that called
 ``backward()`` (main), and makes that stream wait for the communication stream: the optimizer,
 and anything else queued on main after ``backward()``, reads reduced grads. One backward at a
-time: a backward that raised leaves nothing behind (the next one counts afresh), but one run
-inside another's (reentrant checkpointing of dense layers) is not supported.
+time: after a backward that raised, the next one first waits for the reductions it left and
+counts afresh; one run inside another's (reentrant checkpointing of dense layers) is not
+supported.
 
 Streams and ownership (CUDA):
 
@@ -163,7 +165,7 @@ class _Bucket:
         communication stream)."""
         owner = self.owner
         with torch.no_grad():
-            torch._foreach_copy_(grads, self.reduce(grads, owner._group, owner.algorithm))
+            torch._foreach_copy_(grads, self.reduce(grads, owner._group, owner._bucket_algorithm))
 
 
 def _buckets(
@@ -190,8 +192,8 @@ class BucketedAllReduce(DataParallelWrapper):
 
     Args:
         bucket_cap_mb: bucket size (DDP's default is 25); with ``"auto"`` or ``"symm_mem"`` at
-            most the largest bucket they reduce through symmetric memory, where they do (16 MiB
-            on 2 x H200).
+            most the largest bucket they reduce through symmetric memory, where they do (from
+            the measured table).
         compile: reduce each bucket through ``torch.compile(fullgraph=True)`` (always where
             symmetric memory is on).
         reduce: the bucket reduction, :func:`mean_all_reduce` by default: new tensors (the
@@ -215,6 +217,10 @@ class BucketedAllReduce(DataParallelWrapper):
         if algorithm not in POLICIES:
             raise ValueError(f"BucketedAllReduce(algorithm={algorithm!r}): expected one of {POLICIES}")
         self.algorithm = algorithm
+        # what the buckets ask all_reduce_flat for: "nccl" where symmetric memory is off and the
+        # reduction runs eagerly, so that no bucket looks the choice up per call (compiled, the
+        # choice is a constant of the graph)
+        self._bucket_algorithm = algorithm
         self._cap = int(bucket_cap_mb * 2**20)
         self._compile = compile
         self._node_local = node_local
@@ -264,8 +270,8 @@ class BucketedAllReduce(DataParallelWrapper):
             compiled = torch.compile(self._reduce, fullgraph=True, dynamic=False)
 
         def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
-            # Set and restored by hand: ``config.patch`` costs ~250 us per call (per bucket
-            # and step, in backward), this ~4 us.
+            # Set and restored by hand: ``config.patch`` costs far more per call (per bucket
+            # and step, in backward).
             config = torch._dynamo.config
             saved, config.recompile_limit = config.recompile_limit, _RECOMPILE_LIMIT
             try:
@@ -277,10 +283,12 @@ class BucketedAllReduce(DataParallelWrapper):
 
     def _backward_started(self) -> None:
         """On each dense grad: at a backward's first, queue the wait for its reductions at its
-        end, and start every bucket's count afresh (a backward that raised left some counted)."""
+        end, and start every bucket's count afresh (a backward that raised left some counted,
+        and reductions that main has not waited for: it waits now)."""
         task = torch._C._current_graph_task_id()
         if task != self._graph_task:
             self._graph_task = task
+            self.comm.wait()
             for b in self.buckets:
                 b.ready = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
@@ -289,10 +297,7 @@ class BucketedAllReduce(DataParallelWrapper):
         """The engine's final callback, on the stream that called ``backward()``: it waits for
         every bucket's reduction; then checks that every bucket was reduced."""
         self.comm.wait()
-        missing = [b for b in self.buckets if b.ready]
-        for b in missing:
-            b.ready = 0
-        if missing:
+        if any(b.ready for b in self.buckets):  # (counted afresh at the next backward)
             raise RuntimeError(
                 "BucketedAllReduce: some dense parameters got no gradient in this backward, so "
                 "their buckets were not reduced (unused parameters are not supported)"
@@ -303,6 +308,7 @@ class BucketedAllReduce(DataParallelWrapper):
         if group is None:
             raise RuntimeError("BucketedAllReduce needs a ProcessGroup-based ShardingEnv")
         symmetric = self._enable_symmetric_memory(group, device)
+        self._bucket_algorithm = self.algorithm if symmetric or self._compile else "nccl"
         module = dmp._dmp_wrapped_module
         sharded = set(DistributedModelParallel._sharded_parameter_names(module))
         dense = [p for n, p in module.named_parameters() if n not in sharded and p.requires_grad]

@@ -15,7 +15,7 @@
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh multinode  # 2 GPUs as 2 torchrun "nodes" of 1 vs 1 node of 2
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
-#   bash scripts/gpu_checks.sh overlap    # 2 GPUs, issue 39 in one call (~9.5 min, CALL_LIMIT-bound):
+#   bash scripts/gpu_checks.sh overlap    # 2 GPUs, issue 39 in one call (CALL_LIMIT-bound):
 #        overlap-table: bench_allreduce, 200 interleaved calls, 95% intervals, --write-table
 #        overlap-checks: GPU ordering test, sanitizer + recompiles (tiny; auto and symm_mem)
 #        overlap-bench: DDP vs auto vs nccl all-reduce, dense_heavy then small (OVERLAP_CONFIGS),

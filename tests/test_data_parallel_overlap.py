@@ -5,7 +5,7 @@ fallback to NCCL (gloo) where symmetric memory cannot run; losses as DDP's.
 
 On CPU the communication stream is replaced by a stand-in that runs the submitted work only when
 waited for (a GPU stream far behind the host); on GPUs the real stream runs each reduction
-behind a ~20 ms spin kernel. Either way, a wrapper that let the optimizer read before its wait
+behind a long spin kernel. Either way, a wrapper that let the optimizer read before its wait
 gives it the rank's own grads, not the means: the control run without the end-of-backward wait
 must see that."""
 
@@ -30,7 +30,8 @@ from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.pipeline.data_parallel import BucketedAllReduce, CommStream, mean_all_reduce
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
-_SPIN_CYCLES = 40_000_000  # ~20 ms on H100/H200: the optimizer would run long before the means
+_SPIN_CYCLES = 40_000_000  # far longer than the host's step: the optimizer would run long
+# before the means
 
 
 class _LaggingStream(CommStream):

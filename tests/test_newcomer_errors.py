@@ -226,7 +226,8 @@ def test_stop_after_ends_with_the_command_that_resumes(
     gloo, tmp_path: Path, command_line: Callable[..., None], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The trainer's last line names the checkpoint and the command; the training command's
-    drops trainer.stop_after (kept, the resume would be refused)."""
+    drops trainer.stop_after where the checkpoint is at or past it (kept, the resume would be
+    refused), and keeps it for a checkpoint before it (a signal at an earlier step)."""
     ck = tmp_path / "ck"
     with caplog.at_level(logging.INFO, logger="recpipe.train.trainer"):
         train(config("trainer.steps=8", "trainer.stop_after=4", "trainer.log_interval=4",
@@ -236,8 +237,11 @@ def test_stop_after_ends_with_the_command_that_resumes(
         f"stopped after step 4 of 8 (trainer.stop_after): checkpoint {ck / 'step_4'}; "
         f"resume with: RESUME {ck}")
     command_line("data=synthetic", "trainer.stop_after=4")
-    assert cli._resume_command(str(ck), drop=("trainer.stop_after",)) == (
+    assert cli._resume_command(str(ck), 4) == (
         f"{sys.executable} {SCRIPT} data=synthetic trainer.checkpoint_dir={ck} trainer.resume=true")
+    assert cli._resume_command(str(ck), 2) == (
+        f"{sys.executable} {SCRIPT} data=synthetic trainer.stop_after=4 trainer.checkpoint_dir={ck} "
+        "trainer.resume=true")
 
 
 # the other entry points

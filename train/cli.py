@@ -167,11 +167,19 @@ def _program() -> list[str]:
     return [sys.argv[0]]
 
 
-def _resume_command(checkpoint_dir: str, drop: tuple[str, ...] = ()) -> str:
-    """This run's command line, continuing from ``checkpoint_dir``, without the overrides of the
-    keys in ``drop``."""
-    skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite", *drop)
-    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") not in skip]
+def _resume_command(checkpoint_dir: str, step: int | None = None) -> str:
+    """This run's command line, continuing from ``checkpoint_dir``; without
+    ``trainer.stop_after`` where the checkpoint's ``step`` is at or past it (a resume with it
+    would be refused)."""
+    skip = ("trainer.resume", "trainer.checkpoint_dir", "trainer.overwrite")
+
+    def kept(override: str) -> bool:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        past = key == "trainer.stop_after" and step is not None and value.isdigit() and int(value) <= step
+        return key not in skip and not past
+
+    overrides = [o for o in HydraConfig.get().overrides.task if kept(o)]
     world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", "1")
     python = shlex.quote(sys.executable)  # this environment's interpreter, not a bare `python`
     program = _program()
@@ -217,7 +225,7 @@ def _interrupted(e: TrainingInterrupted, steps: int) -> str:
         return (f"interrupted ({name}) in the final evaluation: all {steps} steps are trained and "
                 f"saved in checkpoint {e.checkpoint}")
     return (f"interrupted ({name}) after step {e.step}: checkpoint {e.checkpoint}; resume with: "
-            f"{_resume_command(e.checkpoint_dir)}")
+            f"{_resume_command(e.checkpoint_dir, e.step)}")
 
 
 def _unexpected(exc: BaseException, directory: str | None, checkpoint: tuple[str, str] | None) -> str:
@@ -247,7 +255,9 @@ def _resume_hint(checkpoint: tuple[str, str] | None) -> str:
     checkpoint directory), or nothing."""
     if checkpoint is None:
         return ""
-    return f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1])}"
+    name = os.path.basename(checkpoint[0].rstrip("/"))  # step_<N>: the checkpoint's layout
+    step = int(name.removeprefix("step_")) if name.removeprefix("step_").isdigit() else None
+    return f"; the last checkpoint is {checkpoint[0]}, resume with: {_resume_command(checkpoint[1], step)}"
 
 
 def _keep_traceback(text: str, directory: str | None) -> str:
@@ -309,7 +319,7 @@ def _run(dcfg: DictConfig) -> None:
     from recpipe.train.trainer import RunFailed, TrainingInterrupted, train
 
     _quiet_torch()
-    going_on = partial(_resume_command, drop=("trainer.stop_after",))  # after stop_after: without it
+    going_on = partial(_resume_command, step=cfg.trainer.stop_after)  # stopped at stop_after
     try:
         train(cfg, device, resume_command=going_on)
     except TrainingInterrupted as e:

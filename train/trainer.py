@@ -470,7 +470,7 @@ class _Trainer:
             if self.ckpt is not None and self.world == 1 and step != self.saved and not self.save_failed:
                 try:  # RunFailed names the checkpoint
                     self._save(step)
-                except Exception as e:  # the original exception matters more: it goes on
+                except BaseException as e:  # (a DCP CheckpointException too) the original goes on
                     log.warning("could not save step %d after the failure: %s", step, e)
             raise
 
