@@ -26,6 +26,14 @@ as the median of the per-round paired ratios with its distribution-free 95% inte
 come from separate ``--calls-steps`` steps after the timed rounds, so that profiling does not
 distort the timing. Rank 0 prints a markdown table (and ``--json``). ``--config movielens``: the
 training app's MovieLens-100k model and batches (batch 256, dim 16; needs the data file).
+
+``--first-step N``: what happens once per process. N rounds of one fresh process per pipeline
+(the order alternating per round), each timed from its launch to the end of its first
+``progress()`` (CUDA synchronized): imports, the model, the pipeline's first step with its
+first uses (Triton compiles, allocations). Reported: the median and min-max per pipeline, and
+of the first ``progress()`` alone; the difference second minus first.
+
+    python scripts/profile_host.py --config movielens --first-step 5
 """
 
 from __future__ import annotations
@@ -219,6 +227,44 @@ def host_time(a: argparse.Namespace, device: torch.device, rank: int) -> None:
                 json.dump(res, f, indent=1)
 
 
+def first_step_child(a: argparse.Namespace, device: torch.device) -> None:
+    """A fresh process's first step of pipeline ``a.first_step_of``: prints its wall clock at
+    the end and the first ``progress()``'s own seconds, as JSON."""
+    spec, data = spec_and_data(a.config, 0, 1)
+    model, optimizer = build_sharded(spec, a.sharding.split(","), device, dist.group.WORLD, seed=1)
+    pipeline = PIPELINES[a.first_step_of](model, optimizer, device)
+    t0 = time.perf_counter()
+    pipeline.progress(cycle(data))
+    sync_of(device)()
+    print(json.dumps(dict(end=time.time(), progress_s=time.perf_counter() - t0)), flush=True)
+
+
+def first_steps(a: argparse.Namespace) -> None:
+    """``--first-step``: fresh processes, alternating, timed from launch (module docstring)."""
+    runs: dict[str, list[tuple[float, float]]] = {n: [] for n in a.pipelines}
+    args = ["--config", a.config, "--sharding", a.sharding]
+    for r in range(a.first_step):
+        for name in a.pipelines if r % 2 == 0 else reversed(a.pipelines):
+            start = time.time()
+            out = subprocess.run([sys.executable, __file__, *args, "--first-step-of", name],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"error: {name}'s process failed:\n{out.stderr[-2000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[name].append((got["end"] - start, got["progress_s"]))
+            print(f"round {r + 1}/{a.first_step}: {name} {runs[name][-1][0]:.2f} s", file=sys.stderr)
+    print(f"### first step, {a.config}, fresh processes, {a.first_step} alternating rounds")
+    print("| pipeline | launch to first step s, median (min-max) | first progress() s |\n|---|---|---|")
+    cell = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+    for name, rs in runs.items():
+        print(f"| {name} | {cell([t for t, _ in rs])} | {cell([p for _, p in rs])} |")
+    first, second = (statistics.median(t for t, _ in runs[n]) for n in a.pipelines)
+    print(f"{a.pipelines[1]} - {a.pipelines[0]}: {second - first:+.2f} s (medians)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(config=a.config, rounds=a.first_step, runs=runs), f, indent=1)
+
+
 def diff(first: dict, second: dict, steps: int, rows: int) -> None:
     """Per step: calls, own time and cumulative time, second minus first, by own time."""
     def key(k: tuple) -> str:
@@ -253,12 +299,17 @@ def main() -> None:
                    help="--blocks: steps counted for Python calls per step, after the timing")
     p.add_argument("--ranks", type=int, default=1,
                    help="--blocks: ranks, started by torchrun (gloo on the CPU; default: 1)")
-    p.add_argument("--json", help="--blocks: write the summary and every block here")
+    p.add_argument("--json", help="--blocks, --first-step: write the summary and every run here")
+    p.add_argument("--first-step", type=int, default=0,
+                   help="rounds of fresh processes timed to their first step (default: 0, off)")
+    p.add_argument("--first-step-of", default=None, help=argparse.SUPPRESS)  # (the child)
     a = p.parse_args()
     if len(a.pipelines) != 2:
         p.error("--pipelines takes two names")
-    if a.config == MOVIELENS and not a.blocks:
-        p.error("--config movielens needs --blocks")
+    if a.first_step:
+        return first_steps(a)
+    if a.config == MOVIELENS and not (a.blocks or a.first_step_of):
+        p.error("--config movielens needs --blocks or --first-step")
     if a.ranks > 1 and "RANK" not in os.environ:
         if not a.blocks:
             p.error("--ranks needs --blocks")
@@ -280,6 +331,9 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if a.first_step_of:
+        first_step_child(a, device)
+        return dist.destroy_process_group()
     if a.blocks:
         host_time(a, device, 0)
         return dist.destroy_process_group()
