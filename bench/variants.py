@@ -76,9 +76,6 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_recat_ring_after_forward": _variant(
         "RecpipeRecatRingAfterForward", recat="ring", input_dist="after_forward"),
     "recpipe_dist_after_forward": _variant("RecpipeDistAfterForward", input_dist="after_forward"),
-    "recpipe_dist_after_recat": _variant("RecpipeDistAfterRecat", input_dist="after_recat"),
-    "recpipe_always_dist_after_recat": _variant(
-        "RecpipeAlwaysDistAfterRecat", min_batch_bytes=0, input_dist="after_recat"),
     "recpipe_permuted_copy": _variant("RecpipePermutedCopy", inputs="permuted"),  # any plan
     # the whole P1 into the depth-3 ring, for every batch (on CPU and several ranks too)
     "recpipe_ring": _variant("RecpipeRing", min_batch_bytes=0, p1="ring"),

@@ -82,12 +82,6 @@ def release_all_to_all_input(awaitable: KJTAllToAllTensorsAwaitable) -> None:
         awaitable._input_tensors = []
 
 
-def release_all_to_all_outputs(awaitable: KJTAllToAllTensorsAwaitable) -> None:
-    """Drop ``awaitable``'s references to what its all-to-all received, once its ``wait`` has
-    queued P2 on them (torchrec 1.6-1.9 keep ``_output_tensors`` for the awaitable's life)."""
-    awaitable._output_tensors = []
-
-
 def drop_cached_views(kjt: KeyedJaggedTensor) -> None:
     """Forget ``kjt``'s ``to_dict()`` cache (``_jt_dict``, torchrec 1.6-1.9): views of its values
     and lengths that keep their memory alive after the pipeline released the KJT (torchrec's

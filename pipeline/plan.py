@@ -49,9 +49,6 @@ outputs)                                                the last batch freed fit
 so that its data_dist allocations reuse what that forward's P2 dropped: less memory, at the cost
 of a host read of the splits behind that forward. The copy ring then saves nothing (the next
 batch's copy comes before the release), so the copies are ``"fresh"`` where not ``"permuted"``.
-``input_dist="after_recat"`` starts it earlier, inside forward i, once the last P2 of batch i is
-queued and main has waited for it (before that module's lookup): the same reuse, with the
-splits' all-to-all queued ahead of forward i's output dist.
 
 recpipe's placements are ordered by events, not by ``record_stream``: a slot is written again
 only after its last reader's event; main-stream memory is freed by main, in stream order.
@@ -68,7 +65,7 @@ Inputs = Literal["fresh", "ring", "permuted"]
 FeaturePermute = Literal["fresh", "ring", "split_ring", "high_water"]
 Sizes = Literal["exact", "high_water"]
 Recat = Literal["torchrec", "exact", "high_water", "ring"]
-InputDist = Literal["before_forward", "after_forward", "after_recat"]
+InputDist = Literal["before_forward", "after_forward"]
 
 _CHOICES: dict[str, tuple[object, ...]] = dict(
     inputs=get_args(Inputs), free_inputs=(True, False), p1=get_args(FeaturePermute),
@@ -182,15 +179,15 @@ def _default_inputs(facts: Facts, free: bool, input_dist: InputDist) -> Inputs:
     if (facts.world > 1 and not facts.torchrec_clears and not facts.postproc
             and facts.types and facts.types <= _COPIED_IN_ORDER):
         return "permuted"
-    return "ring" if input_dist == "before_forward" else "fresh"
+    return "fresh" if input_dist == "after_forward" else "ring"
 
 
 def _inputs_problem(inputs: Inputs, facts: Facts, free: bool, chosen_free: bool | None,
                     input_dist: InputDist) -> str | None:
     if inputs == "ring" and (not free or facts.torchrec_copies_or_frees):
         return "inputs='ring' needs free_inputs on CUDA and the pipeline's own copy"
-    if inputs == "ring" and input_dist != "before_forward":
-        return f"inputs='ring' saves nothing with input_dist={input_dist!r} (copy before release)"
+    if inputs == "ring" and input_dist == "after_forward":
+        return "inputs='ring' saves nothing with input_dist='after_forward' (copy before release)"
     if inputs != "permuted":
         return None
     if chosen_free is False:  # the model reads the inputs elsewhere: not in P1's order

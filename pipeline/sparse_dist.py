@@ -75,7 +75,6 @@ from recpipe.pipeline.compat import (
     copies_or_frees_inputs_itself,
     drop_cached_views,
     release_all_to_all_input,
-    release_all_to_all_outputs,
     dist_init_on_main_stream,
     pipeline_options,
     stale_index_refs,
@@ -223,8 +222,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # batch index -> the tensors its copy made (filled by torchrec's async_inplace_copy
         # worker, if on, before the batch is read)
         self._copied: dict[int, list[torch.Tensor]] = {}
-        self._late_input_dist = plan.input_dist != "before_forward"
-        self._start_at_recat = plan.input_dist == "after_recat"
+        self._late_input_dist = plan.input_dist == "after_forward"
         # the next batch's input dist, deferred by start_sparse_data_dist to its wait, with the
         # memcpy stream's event after the batch's copy (None on CPU)
         self._late: tuple[In, TrainPipelineContext, torch.cuda.Event | None] | None = None
@@ -238,35 +236,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             # queues batch i+2's copy in between
             copied = None if self._memcpy_stream is None else self._memcpy_stream.record_event()
             self._late = (batch, context, copied)
-            if self._start_at_recat:
-                self._hook_computes()
             return
         self._start_input_dist(batch, context)
-
-    def _start_late(self) -> None:
-        """Start the deferred input dist (``input_dist`` ``"after_recat"``/``"after_forward"``)."""
-        (batch, context, copied), self._late = self._late, None
-        with self._copy_waited(batch, copied):
-            self._start_input_dist(batch, context)
-        self.stats.late_input_dists += 1
-
-    def _hook_computes(self) -> None:
-        """``input_dist="after_recat"``: each pipelined module's ``compute_and_output_dist``
-        (an instance attribute, as ``input_dist``'s) first starts the deferred input dist once
-        the batch in compute has no request left. torchrec's ``PipelinedForward`` calls it
-        after the module's P2 is queued on data_dist and main has waited for data_dist: the
-        next batch's bucketize then reuses the received tensors' memory in data_dist's order,
-        main does not wait for it, and its splits' all-to-all goes before this module's
-        output dist. A module not called in the forward leaves the start to the wait."""
-        for module in self._pipelined_modules:
-            if "compute_and_output_dist" not in vars(module):
-                vars(module)["compute_and_output_dist"] = partial(
-                    self._late_then, module.compute_and_output_dist)
-
-    def _late_then(self, compute: Callable[..., Awaitable], *args: Any) -> Awaitable:
-        if self._late is not None and not self.contexts[0].input_dist_tensors_requests:
-            self._start_late()
-        return compute(*args)
 
     @contextmanager
     def _copy_waited(self, batch: In, copied: torch.cuda.Event | None) -> Iterator[None]:
@@ -570,9 +541,13 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return partial(setattr, permuted, "plannable", ok)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-        if self._late is not None:  # (input_dist="after_forward", or no module computed)
-            assert self._late[1] is context, "recpipe: a deferred input dist waited out of order"
-            self._start_late()
+        late, self._late = self._late, None
+        if late is not None:  # (input_dist="after_forward")
+            batch, started, copied = late
+            assert started is context, "recpipe: a deferred input dist waited out of order"
+            with self._copy_waited(batch, copied):
+                self._start_input_dist(batch, context)
+            self.stats.late_input_dists += 1
         permuted = self._permuted
         before = None  # data_dist waits for the permuted copy: after the splits' host read
         if permuted is not None and not self._bucketized:
@@ -586,8 +561,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         else:
             super().wait_sparse_data_dist(context)
         learned = context.index in self._learned_from
-        if ((self._redirect_dist_init or learned or self._start_at_recat)
-                and not dist_init_on_main_stream()):
+        if (self._redirect_dist_init or learned) and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
             runner, before = self._recat_runner_of(context.index), None
             if runner is not None or learned:
@@ -725,13 +699,11 @@ class _DistInitRedirected(Awaitable[Any]):
     def _wait_impl(self) -> Any:
         if self._before is not None:
             self._before()
-        awaitables = list(all_to_all_awaitables(self._inner))
-        inputs = [all_to_all_input(a) for a in awaitables] if self._kjt_type else []
+        if self._kjt_type is None:
+            return self._inner.wait()
+        inputs = [all_to_all_input(a) for a in all_to_all_awaitables(self._inner)]
         with as_type([k for k in inputs if type(k) is KeyedJaggedTensor], self._kjt_type):
-            out = self._inner.wait()
-        for awaitable in awaitables:  # P2 is queued on them: they go in data_dist's order
-            release_all_to_all_outputs(awaitable)
-        return out
+            return self._inner.wait()
 
 
 def _sharding_types(model: torch.nn.Module) -> set[str]:

@@ -62,24 +62,6 @@ class LateInputDistPipeline(StableRecatSizesPipeline):
                              input_dist="after_forward", inputs="permuted")
 
 
-class AfterRecatPipeline(StableRecatSizesPipeline):
-    # the next batch's input dist inside the forward, after the last module's P2
-    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="high_water",
-                             input_dist="after_recat", inputs="permuted")
-    in_forward = 0  # deferred input dists started by a module's compute (not by the wait)
-
-    def _late_then(self, compute, *args):
-        before = self.stats.late_input_dists
-        out = super()._late_then(compute, *args)
-        self.in_forward += self.stats.late_input_dists - before
-        return out
-
-
-class AfterRecatOnSmallBatchesPipeline(AfterRecatPipeline):
-    memory_plan = MemoryPlan(input_dist="after_recat")
-    min_batch_bytes = 0  # every other placement at its default
-
-
 class LateInputDistOnSmallBatchesPipeline(TrainPipelineSparseDist):
     memory_plan = MemoryPlan(input_dist="after_forward")
     min_batch_bytes = 0  # every other placement at its default
@@ -133,7 +115,6 @@ def _train(
             out["copy_ring_nbytes"] = pipeline.copy_ring_nbytes
             out["copy_ring_reused"] = pipeline.copy_ring_reused
             out["copy_ring_replaced"] = pipeline.copy_ring_replaced
-            out["in_forward"] = getattr(pipeline, "in_forward", None)
     return out
 
 
@@ -266,8 +247,7 @@ def test_a_deferred_input_dist_notes_the_memcpy_event_of_its_batch() -> None:
     started = []
     current, following = SimpleNamespace(index=0), SimpleNamespace(index=1)
     pipeline = SimpleNamespace(
-        _late_input_dist=True, _start_at_recat=False, contexts=[current, following],
-        _memcpy_stream=memcpy, _late=None,
+        _late_input_dist=True, contexts=[current, following], _memcpy_stream=memcpy, _late=None,
         _start_input_dist=lambda batch, context: started.append(context),
     )
     TrainPipelineSparseDist.start_sparse_data_dist(pipeline, "batch 1", following)
@@ -402,8 +382,7 @@ def test_recat_ring_bit_identical_on_two_ranks() -> None:
     ("mixed_tw_rw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", LateInputDistOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", RecatRingPipeline),
-    ("mixed_tw_rw_cw", AfterRecatOnSmallBatchesPipeline),
-], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-after_forward", "tw_rw_cw-recat_ring", "tw_rw_cw-after_recat"])
+], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-after_forward", "tw_rw_cw-recat_ring"])
 def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, ours: type) -> None:
     """Every default placement acting from the first batch (``min_batch_bytes = 0``): on CUDA at
     world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
@@ -411,8 +390,7 @@ def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, 
     also with ``input_dist="after_forward"`` (the bucketize after the forward, waiting for the
     permuted copy)."""
     results = run_ranks(2, _train, SHARDINGS[sharding], STEPS, ours)
-    late = STEPS - 1 if ours in (LateInputDistOnSmallBatchesPipeline,
-                                 AfterRecatOnSmallBatchesPipeline) else 0
+    late = STEPS - 1 if ours is LateInputDistOnSmallBatchesPipeline else 0
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
@@ -421,25 +399,23 @@ def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, 
 
 
 @pytest.mark.parametrize(
-    "ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline,
-             AfterRecatPipeline],
-    ids=["high_water", "recat_high_water", "after_forward", "after_recat"],
+    "ours", [StableSizesPipeline, StableRecatSizesPipeline, LateInputDistPipeline],
+    ids=["high_water", "recat_high_water", "after_forward"],
 )
 def test_high_water_sizes_bit_identical_on_two_ranks(ours: type) -> None:
     """High-water sizes (the CUDA default) on CPU: P1 goes through recpipe's op into
     high-water-sized buffers, and so do the all-to-all outputs (lengths and values of each of
     the 3 modules' 2 groups, the weighted module's weights too), and with
     ``recat="high_water"`` P2's outputs (their values a view of the front of a larger buffer),
-    and with ``input_dist="after_forward"`` every next batch's input dist after the forward
-    (``"after_recat"``: inside it, at the last module's compute); the losses stay torchrec's."""
+    and with ``input_dist="after_forward"`` every next batch's input dist after the forward; the
+    losses stay torchrec's."""
     results = run_ranks(2, _train, SHARDINGS["mixed_tw_cw"], STEPS, ours)
-    late = STEPS - 1 if ours in (LateInputDistPipeline, AfterRecatPipeline) else 0
+    late = STEPS - 1 if ours is LateInputDistPipeline else 0
     for r in results:
         assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == STEPS
         assert r["redirected"].get("input_dist", 0) >= STEPS, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) >= 13 * (STEPS - 1), r["redirected"]
         assert r["redirected"].get("late_input_dists", 0) == late, r["redirected"]
-        assert r["in_forward"] == (late if ours is AfterRecatPipeline else None), r
         if late:  # (and the permuted copy's slot, whose order it changes)
             assert r["redirected"]["permuted_copies"] >= STEPS - 2, r["redirected"]
 
