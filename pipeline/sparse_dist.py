@@ -226,6 +226,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         # the next batch's input dist, deferred by start_sparse_data_dist to its wait, with the
         # memcpy stream's event after the batch's copy (None on CPU)
         self._late: tuple[In, TrainPipelineContext, torch.cuda.Event | None] | None = None
+        self._step_aside_if_done()
 
     def start_sparse_data_dist(self, batch: In | None, context: TrainPipelineContext) -> None:
         # Every input dist starts here, the first batch's too (torchrec 1.6 and 1.8 call it
@@ -320,15 +321,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self._releasable[context.index] = (inputs, served)
 
     def _decide(self, size: int, sizes: bool = True) -> None:
-        """Given ``size`` bytes of the first batch's P1 inputs, measured after its input dist
-        (or an upper bound before it, its whole copy: then that batch's input dist takes
-        torchrec's path too, with no first use of recpipe's kernels): below
-        ``min_batch_bytes``, the next batches take torchrec's path (copy, input dist; at world
-        size 1), and no high-water sizes at P1, the all-to-all outputs and (unless set) P2
-        (their interception costs host time every step; ``sizes=False``: no P1 ran, a later
-        batch decides them).
-        The batches already in flight finish with what they started (their side-stream writes,
-        ring slot and early frees are keyed by batch)."""
+        """The first batch's P1 inputs took ``size`` bytes (after its input dist; before it, its
+        whole copy, an upper bound: then that batch takes torchrec's path too). Below
+        ``min_batch_bytes`` the next batches take torchrec's path at world size 1, and the
+        high-water sizes (P1, the all-to-all outputs, P2 unless set) and the permuted copy turn
+        off (``sizes=False``: no P1 ran, a later batch decides them). Batches in flight finish
+        what they started (side writes, ring slots and early frees are keyed by batch)."""
         pays = size >= self.min_batch_bytes
         if self._sizes_undecided and sizes:
             if not pays:
@@ -358,17 +356,15 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return write_into(self._recat_ring.allocator(index)) if ring else None
 
     def _before_recat(self, index: int, runner: Runner | None) -> None:
-        """Before each P2 of batch ``index`` (inside its forward): the batch the permuted copy
-        learned from drops its P1 output (main's pool: freed earlier, the forward's first small
-        tensors would split the block, and P2's batch-sized output would take a new segment);
-        the batch's recat-ring runner takes over."""
+        """Before each P2 of batch ``index`` (in its forward): the batch the permuted copy learned
+        from drops its P1 output (main's pool: earlier, small tensors would split the block P2's
+        output needs); the batch's recat-ring runner takes over."""
         self._learned_from.pop(index, None)
         if runner is not None:
             self._dist_init_runner = runner
 
-    def _release_copies(
-        self, index: int, inputs: list[KeyedJaggedTensor], stream: torch.cuda.Stream
-    ) -> set[int]:
+    def _release_copies(self, index: int, inputs: list[KeyedJaggedTensor],
+                        stream: torch.cuda.Stream) -> set[int]:
         """Give batch ``index``'s P1 inputs that the copy ring served back to the ring (every
         reader of them is queued on ``stream`` or ordered before it); returns their copy
         positions. Cached views of the inputs (``to_dict()``'s) are dropped first: they would
@@ -383,27 +379,20 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return self._copy_ring.release_early(index, self._copied.get(index, []), storages, stream)
 
     def _unpin_ring(self, writes: list[SideWrite]) -> None:
-        """The side writes keep their inputs (views: the lengths reshaped) alive until data_dist
-        has waited on them, for data_dist's memory; the copy ring's memory is the ring's, and
-        the copy stream waits on the ring's event before it writes there again: let go of it,
-        or the next copy would see it held and take new memory."""
+        """The side writes keep their inputs alive until data_dist has waited on them; the copy
+        ring's memory is guarded by the ring's event instead: let go of it, or the next copy
+        would see it held and take new memory."""
         ring = self._copy_ring.storages()
-        writes[:] = [
-            w._replace(inputs=tuple(
-                t for t in w.inputs if t is not None and t.untyped_storage().data_ptr() not in ring
-            ))
-            for w in writes
-        ]
+        writes[:] = [w._replace(inputs=tuple(t for t in w.inputs if t is not None
+                                             and t.untyped_storage().data_ptr() not in ring))
+                     for w in writes]
 
-    def _release_inputs(
-        self, index: int, inputs: list[KeyedJaggedTensor], served: set[int] | None = None
-    ) -> None:
+    def _release_inputs(self, index: int, inputs: list[KeyedJaggedTensor],
+                        served: set[int] | None = None) -> None:
         """Free the storage of batch ``index``'s P1 inputs that the pipeline's own copy made
-        (never a user's tensors: on CPU, or for a batch already on the device, nothing goes).
-        Every reader is queued, on data_dist (which torchrec's ``start_sparse_data_dist``
-        recorded on the batch) or ordered before it (the split permute's side stream: data_dist
-        waited on it). Tensors that the copy ring served go back to the ring instead
-        (``served``: the positions it already took back, else here, on data_dist)."""
+        (never a user's tensors). Every reader is queued on data_dist (torchrec recorded the
+        batch there) or ordered before it (the split permute's side stream). What the copy ring
+        served goes back to the ring (``served``: the positions it took back, else here)."""
         if served is None:
             served = self._release_copies(index, inputs, self._data_dist_stream)
         if self._permuted is not None:
@@ -468,14 +457,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             return copy_batch(batch, self._device, memcpy, made, inplace=True)
 
     def _release_sent_inputs(self, context: TrainPipelineContext) -> None:
-        """Give back what batch ``context``'s all-to-alls sent (the feature-permuted KJT, a
-        row-wise group's bucketized KJT): torchrec keeps them until the forward pops the
-        request, a step after the all-to-all read them, so that the next batch's input dist
-        would allocate beside them. On data_dist, which allocated them and now waits for the
-        all-to-all (a device-side wait): the next batch's allocations there reuse the memory
-        in stream order. The host has issued the all-to-all a step ago (with the permuted copy:
-        just now); nothing waits on main.
-        """
+        """Give back what batch ``context``'s all-to-alls sent (P1's output, a row-wise group's
+        bucketized KJT), which torchrec keeps until the forward pops the request. On data_dist,
+        which allocated them and now waits for the all-to-all (on the device): the next batch's
+        allocations there reuse the memory in stream order. Nothing waits on main."""
         if context.index in self._sends_released:
             return
         self._sends_released.add(context.index)
@@ -502,10 +487,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         sent = None if stream is None else stream.record_event()
         assert self._permuted is not None
         self._permuted.sent(index, sent)
-        if index in self._learned_from:
-            if sent is not None:  # main's pool: its next allocations come after the
-                self._main.wait_event(sent)  # all-to-all (the batch's forward waits anyway)
-            # dropped at the batch's first P2 (wait_sparse_data_dist), else at its dequeue
+        if index in self._learned_from and sent is not None:  # (dropped at its first P2)
+            self._main.wait_event(sent)  # main's pool: next allocations after the all-to-all
 
     def _ring_runner(self, batch_index: int) -> Runner:
         if self.uses_split_permute:
@@ -605,6 +588,18 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self._permuted is not None:
             self._permuted.forget(self.contexts[0].index)
         super().dequeue_batch()
+        self._step_aside_if_done()
+
+    def _step_aside_if_done(self) -> None:
+        """Where the plan never acts again (``redirecting`` False: one rank) and no batch holds
+        its memory, torchrec's per-step methods take over, bound on the instance (no recpipe
+        frame per step; ``reset`` keeps them: nothing of the plan is left)."""
+        if self.redirecting is False and not self._copied and not (
+                self.ring_nbytes or self.copy_ring_nbytes):
+            for name in _PER_STEP:  # (torchrec 1.6 has no in-place copy)
+                method = getattr(_TorchrecTrainPipelineSparseDist, name, None)
+                if method is not None:
+                    vars(self)[name] = method.__get__(self)
 
     @property
     def ring_nbytes(self) -> int:
@@ -630,6 +625,11 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def ring_replaced(self) -> int:
         """Ring buffers (P1's, P2's) given new memory: a result of an earlier batch used them."""
         return self._ring.replaced + self._recat_ring.replaced
+
+
+# recpipe's overrides that run every step
+_PER_STEP = ("start_sparse_data_dist", "wait_sparse_data_dist", "copy_batch_to_gpu",
+             "inplace_copy_batch_to_gpu", "dequeue_batch")
 
 
 def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocator:

@@ -110,10 +110,13 @@ class _CudaDefaults(TrainPipelineSparseDist):
     min_batch_bytes = 0  # for batches of any size
 
 
-def _calls_per_step(spec: ModelSpec, rank: int, device: torch.device) -> dict:
+_PIPELINES = (("torchrec", TorchrecPipeline), ("recpipe", _CudaDefaults),
+              ("recpipe_defaults", TrainPipelineSparseDist))
+
+
+def _calls_per_step(spec: ModelSpec, rank: int, device: torch.device,
+                    pipelines: tuple[tuple[str, type], ...] = _PIPELINES) -> dict:
     out = {}
-    pipelines = (("torchrec", TorchrecPipeline), ("recpipe", _CudaDefaults),
-                 ("recpipe_defaults", TrainPipelineSparseDist))
     for name, cls in pipelines:
         model, optimizer = build_sharded(spec, SHARDING, device, torch.distributed.group.WORLD, seed=1)
         pipeline = cls(model, optimizer, device)
@@ -149,3 +152,15 @@ def test_python_calls_per_step_do_not_grow_with_the_model() -> None:
     # 10 repeated windows since, loaded or not). Work per table or feature would add at least
     # 12 calls per step (16 - 4 tables).
     assert abs(extra[16] - extra[4]) < 6, extra
+
+
+def _one_rank_calls(rank: int, world: int, device: torch.device) -> dict:
+    return _calls_per_step(ModelSpec(), rank, device, (_PIPELINES[0], _PIPELINES[2]))
+
+
+def test_one_rank_where_the_plan_never_acts_runs_torchrecs_methods() -> None:
+    """One CPU rank (the plan never acts: ``redirecting`` False): torchrec's per-step methods
+    run with no recpipe frame in between, so as many Python calls per step as torchrec's
+    pipeline (at world size 1 on CUDA the same, once a small first batch has decided)."""
+    r = run_ranks(1, _one_rank_calls)[0]
+    assert r["recpipe_defaults"] == r["torchrec"] > 0, r
