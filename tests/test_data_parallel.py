@@ -24,12 +24,16 @@ GPU2 = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 STEPS = 100 if GPU2 else 40  # the GPU check's 100; fewer on 2 CPU cores
 
 
-def _train(rank: int, world: int, device: torch.device, variant: str) -> list[float]:
+def _train(rank: int, world: int, device: torch.device, variant: str) -> tuple[list[float], list[str]]:
+    """The losses of ``STEPS`` steps with ``variant``'s dense all-reduce, and its plan's
+    algorithms per bucket."""
     wrapper = {
         "ddp": None,
         "bucketed": BucketedAllReduce(bucket_cap_mb=0.01),  # several buckets
         "bucketed_compiled": BucketedAllReduce(bucket_cap_mb=0.01, compile=True),
         "symm_mem": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="symm_mem"),
+        "auto": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto"),  # on CPU: gloo
+        "auto_across_nodes": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto", node_local=False),
     }[variant]
     spec = ModelSpec()
     model, optimizer = build_sharded(
@@ -46,21 +50,27 @@ def _train(rank: int, world: int, device: torch.device, variant: str) -> list[fl
     losses = [pipeline.progress(it)[0].item() for _ in range(STEPS)]
     if variant in ("bucketed_compiled", "symm_mem"):  # every bucket ran compiled: one graph each
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(wrapper.buckets)
-    return losses
+    return losses, [] if wrapper is None else [a for _, a in wrapper.plan()]
 
 
-VARIANTS = ["bucketed", "bucketed_compiled"] + (["symm_mem"] if GPU2 else [])
+VARIANTS = ["bucketed", "bucketed_compiled", "auto", "auto_across_nodes"] + (["symm_mem"] if GPU2 else [])
 
 
-def _train_all(rank: int, world: int, device: torch.device) -> dict[str, list[float]]:
+def _train_all(rank: int, world: int, device: torch.device) -> dict[str, tuple[list[float], list[str]]]:
     return {v: _train(rank, world, device, v) for v in ["ddp", *VARIANTS]}
 
 
-def test_losses_match_ddp() -> None:
-    for losses in run_ranks(2, _train_all):  # every variant in the same 2 processes
+def test_losses_match_ddp_and_auto_falls_back_to_nccl() -> None:
+    """Every variant's losses are DDP's (rtol 1e-5); ``auto`` reduces through NCCL (gloo) on
+    CPU and across nodes."""
+    for runs in run_ranks(2, _train_all):  # every variant in the same 2 processes
+        ddp, _ = runs["ddp"]
         for variant in VARIANTS:
-            torch.testing.assert_close(torch.tensor(losses[variant]), torch.tensor(losses["ddp"]),
-                                       rtol=1e-5, atol=0, msg=variant)
+            losses, plan = runs[variant]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp), rtol=1e-5, atol=0,
+                                       msg=variant)
+            if variant.startswith("auto") and (not torch.cuda.is_available() or variant != "auto"):
+                assert set(plan) == {"nccl"}, (variant, plan)
 
 
 def test_buckets_split_by_size_and_dtype() -> None:

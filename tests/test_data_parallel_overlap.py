@@ -1,7 +1,7 @@
 """BucketedAllReduce's reductions overlap backward (pipeline/data_parallel.py), on 2 ranks (gloo
 on CPU; NCCL on 2 GPUs): the optimizer reads every bucket's reduced means although the
-reductions are queued while backward goes on and end only when main waits for them; the
-fallback to NCCL (gloo) where symmetric memory cannot run; losses as DDP's.
+reductions are queued while backward goes on and end only when main waits for them (losses
+against DDP's and the NCCL fallbacks: tests/test_data_parallel.py).
 
 On CPU the communication stream is replaced by a stand-in that runs the submitted work only when
 waited for (a GPU stream far behind the host); on GPUs the real stream runs each reduction
@@ -26,9 +26,7 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.pipeline.data_parallel import BucketedAllReduce, CommStream, mean_all_reduce
-from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 _SPIN_CYCLES = 40_000_000  # far longer than the host's step: the optimizer would run long
 # before the means
@@ -175,37 +173,3 @@ def test_a_backward_that_raised_leaves_nothing_behind(local_group: dist.ProcessG
     model(x).sum().backward()
     assert stream.grads_at_submit == [3, 4, 5, 6] and not stream.queued
 
-
-STEPS = 6
-#: the wrappers against DDP: several buckets each; the NCCL fallbacks of "auto"
-WRAPPERS: dict[str, Callable[[], BucketedAllReduce]] = {
-    "nccl": lambda: BucketedAllReduce(bucket_cap_mb=0.01),
-    "auto": lambda: BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto"),  # on CPU: gloo
-    "auto_across_nodes": lambda: BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto", node_local=False),
-}
-
-
-def _train(rank: int, world: int, device: torch.device) -> dict[str, tuple[list[float], list[str]]]:
-    """Per variant: the losses of ``STEPS`` steps and the plan's algorithms."""
-    out = {}
-    spec = ModelSpec()
-    for variant in ["ddp", *WRAPPERS]:
-        wrapper = WRAPPERS[variant]() if variant != "ddp" else None
-        model, optimizer = build_sharded(spec, ["table_wise", "column_wise"], device, dist.group.WORLD,
-                                         seed=1, data_parallel=wrapper)
-        pipeline = TrainPipelineSparseDist(model, optimizer, device)
-        it = batches(spec, STEPS, rank, seed=3)
-        losses = [pipeline.progress(it)[0].item() for _ in range(STEPS)]
-        out[variant] = losses, [] if wrapper is None else [a for _, a in wrapper.plan()]
-    return out
-
-
-def test_losses_match_ddp_and_auto_falls_back_to_nccl() -> None:
-    for per_variant in run_ranks(2, _train):
-        ddp, _ = per_variant.pop("ddp")
-        for variant, (losses, plan) in per_variant.items():
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp), rtol=1e-5, atol=0,
-                                       msg=variant)
-            assert len(plan) > 2, variant
-            if not torch.cuda.is_available() or variant != "auto":  # CPU or across nodes: NCCL
-                assert set(plan) == {"nccl"}, (variant, plan)
