@@ -144,6 +144,8 @@ def table_from_json(obj: dict, versions: tuple[str, str] | None = None, calls: i
     torch_version, nccl_version = found if all(found) else versions or (None, None)
     if not (torch_version and nccl_version):
         raise ValueError("the file does not record the torch and NCCL versions: pass --versions TORCH,NCCL")
+    if any(not {"p50_us", "ratio_ci95"} <= set(r) for r in obj["rows"]):
+        raise ValueError("its rows have no 95% intervals (a run before them): measure again with --json")
     calls = obj.get("iters", calls)
     if not calls:
         raise ValueError("the file does not record its calls per size: pass --iters")

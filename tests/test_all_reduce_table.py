@@ -198,8 +198,8 @@ def test_table_from_json_takes_the_files_machine_and_says_what_is_missing(
     bench: object, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     """``--table-from``: the table ``--write-table`` writes, from the ``--json`` rows; versions
-    and calls from the file, else from the arguments; a CPU run's file, or one without versions
-    and no ``--versions``, is an error saying so."""
+    and calls from the file, else from the arguments; a CPU run's file, one without versions
+    and no ``--versions``, or one whose rows lack intervals, is an error saying so."""
     records = [dict(dtype="bfloat16", bytes=K, variant=v, p50_us=us, ratio_ci95=ci)
                for v, us, ci in [("nccl", 10, [1, 1]), ("symm_one_shot", 6, [0.5, 0.7]),
                                  ("compiled_one_shot", 7, [0.6, 0.8]), ("symm_two_shot", 8, [0.7, 0.9]),
@@ -215,6 +215,9 @@ def test_table_from_json_takes_the_files_machine_and_says_what_is_missing(
         bench.table_from_json(old, None, 50)
     with pytest.raises(ValueError, match="not the --json file of a CUDA run"):
         bench.table_from_json({**new, "device": "cpu"})
+    no_intervals = [{k: v for k, v in r.items() if k != "ratio_ci95"} for r in records]
+    with pytest.raises(ValueError, match="no 95% intervals"):  # (was a KeyError)
+        bench.table_from_json({**new, "rows": no_intervals})
     # the CLI: no process group, the table at --table-out (or the cache path of the file's machine)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(new))
