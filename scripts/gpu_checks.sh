@@ -5,8 +5,8 @@
 #        pipeline-checks: parity, sanitizer, deterministic large-config losses, 500-step growth
 #        pipeline-bench: large config, 5 alternating runs per pipeline
 #   bash scripts/gpu_checks.sh pipeline-shared  # 1 GPU: 2 gloo ranks share it (P2 on CUDA)
-#   bash scripts/gpu_checks.sh host       # 1 GPU: host cost, one process and the small config's 7 runs;
-#        then the interleaved host-time method (profile_host.py --blocks) for small and MovieLens
+#   bash scripts/gpu_checks.sh host       # 1 GPU: the interleaved host-time method (profile_host.py
+#        --blocks) for tiny, small and MovieLens; fresh processes to the first step (--first-step)
 #   bash scripts/gpu_checks.sh allreduce  # >= 2 GPUs: allreduce-checks + allreduce-bench
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
 #        allreduce-bench: step time with each dense all-reduce, 5 alternating runs, small and
@@ -78,26 +78,16 @@ case "${1:-}" in
       | grep -E "^  run|^\||vs|identical|^###|time-limit|rror"
     ;;
   pipeline-checks) ;;
-  host)  # 1 GPU, host-bound: both pipelines in one process (calls per step, step time), then
-    # the small config's 7 alternating runs in fresh processes (300 warm-up steps: a fresh
-    # process ran this config 2.5-5x slower per step than a warmed one after 30), then MovieLens
-    # on the GPU, 3 alternating runs each (samples/s in the last log line)
-    python3 scripts/profile_host.py --config small --pipelines torchrec,recpipe 2>/dev/null \
-      | tee "$out/profile_small.txt" | head -2
-    python3 scripts/bench_pipeline.py --config small --repeats 7 --warmup 300 --steps 100 \
-      --pipelines torchrec,recpipe --time-limit "$(left 280)" --json "$out/small.json" \
-      --out "$out/small.md" 2>&1 | tee "$out/small.log" | grep -E "^\||^###|vs|time-limit|rror"
-    for i in 1 2 3; do
-      for p in torchrec recpipe; do
-        python3 scripts/train.py hardware=cuda data=movielens pipeline=$p trainer.checkpoint=false \
-          output_dir="$out/movielens-$p-$i" > "$out/movielens-$p-$i.log" 2>&1
-        echo "movielens $p run $i: $(grep -oE '[0-9]+ samples/s' "$out/movielens-$p-$i.log" | tail -1)"
-      done
+  host)  # 1 GPU (carry data/movielens100k.npz too), issue 41: the interleaved host-time method
+    # (both pipelines in one process, alternating blocks) for tiny, small and MovieLens, then
+    # fresh processes timed from launch to their first step (MovieLens, large), 5 rounds each
+    for c in tiny small movielens; do
+      python3 scripts/profile_host.py --config $c --blocks 60 --block-steps 20 --warmup 100 \
+        --calls-steps 20 --json "$out/host-time-$c.json" 2>"$out/host-time-$c.err" | tee "$out/host-time-$c.md"
     done
-    # the interleaved host-time method (issue 41): one process, 20 alternating rounds x 10 steps
-    for c in small movielens; do
-      python3 scripts/profile_host.py --config $c --blocks 20 --block-steps 10 --warmup 50 \
-        --json "$out/host-time-$c.json" 2>/dev/null | tee "$out/host-time-$c.md"
+    for c in movielens large; do
+      python3 scripts/profile_host.py --config $c --first-step 5 --json "$out/first-step-$c.json" \
+        2>"$out/first-step-$c.err" | tee "$out/first-step-$c.md"
     done
     ;;
   pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the

@@ -252,7 +252,8 @@ def first_steps(a: argparse.Namespace) -> None:
                 raise SystemExit(f"error: {name}'s process failed:\n{out.stderr[-2000:]}")
             got = json.loads(out.stdout.strip().splitlines()[-1])
             runs[name].append((got["end"] - start, got["progress_s"]))
-            print(f"round {r + 1}/{a.first_step}: {name} {runs[name][-1][0]:.2f} s", file=sys.stderr)
+            print(f"round {r + 1}/{a.first_step}: {name} {runs[name][-1][0]:.2f} s "
+                  f"(first progress() {runs[name][-1][1]:.2f} s)", flush=True)  # (a cut run keeps these)
     print(f"### first step, {a.config}, fresh processes, {a.first_step} alternating rounds")
     print("| pipeline | launch to first step s, median (min-max) | first progress() s |\n|---|---|---|")
     cell = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
