@@ -596,10 +596,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         frame per step; ``reset`` keeps them: nothing of the plan is left)."""
         if self.redirecting is False and not self._copied and not (
                 self.ring_nbytes or self.copy_ring_nbytes):
-            for name in _PER_STEP:  # (torchrec 1.6 has no in-place copy)
-                method = getattr(_TorchrecTrainPipelineSparseDist, name, None)
-                if method is not None:
-                    vars(self)[name] = method.__get__(self)
+            for name in _PER_STEP:
+                vars(self)[name] = getattr(_TorchrecTrainPipelineSparseDist, name).__get__(self)
 
     @property
     def ring_nbytes(self) -> int:
@@ -627,9 +625,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return self._ring.replaced + self._recat_ring.replaced
 
 
-# recpipe's overrides that run every step
-_PER_STEP = ("start_sparse_data_dist", "wait_sparse_data_dist", "copy_batch_to_gpu",
-             "inplace_copy_batch_to_gpu", "dequeue_batch")
+# recpipe's per-step overrides that act as torchrec's once the plan is off (not the in-place
+# copy: recpipe's takes any Pipelineable, torchrec's needs a data_copy_stream argument)
+_PER_STEP = ("start_sparse_data_dist", "wait_sparse_data_dist", "copy_batch_to_gpu", "dequeue_batch")
 
 
 def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocator:
