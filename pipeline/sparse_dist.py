@@ -341,9 +341,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     def _recat_runner(self) -> Runner:
         """P2's runner for ``recat`` in main's pool: buffers sized to their site's high-water
         mark where the plan says (by default with row-wise tables, while the all-to-all outputs
-        are sized). Exact sizes otherwise: on steady sizes main's pool shares P2's blocks with
-        the activations, which the exact sizes fit. (Unused with ``"ring"``, whose runner is
-        per batch, and ``"torchrec"``, where P2 is not intercepted.)"""
+        are sized), else exact (main's pool shares P2's blocks with the activations). Unused
+        with ``"ring"`` (a runner per batch) and ``"torchrec"`` (P2 not intercepted)."""
         chosen = self.memory_plan.recat is not None or self._received_sizes is not None
         sized = self.plan.recat == "high_water" and chosen and self._redirect_dist_init
         alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate
@@ -427,7 +426,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         batch = self._next_batch(dataloader_iter)
         if batch is not None:
             made: list[torch.Tensor] = []
-            self._copied[context.index] = made
+            if self.redirecting is not False:  # (once the plan is off, nothing reads it)
+                self._copied[context.index] = made
             executor = async_copy_executor(self) if inplace else None
             if executor is not None:  # the worker allocates on this thread's current stream
                 consumer = torch.cuda.current_stream(self._device)  # (streams read here: a
@@ -588,16 +588,19 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self._permuted is not None:
             self._permuted.forget(self.contexts[0].index)
         super().dequeue_batch()
-        self._step_aside_if_done()
+        if self.redirecting is False:
+            self._step_aside_if_done()
 
     def _step_aside_if_done(self) -> None:
         """Where the plan never acts again (``redirecting`` False: one rank) and no batch holds
-        its memory, torchrec's per-step methods take over, bound on the instance (no recpipe
-        frame per step; ``reset`` keeps them: nothing of the plan is left)."""
+        its memory, torchrec's per-step methods are bound on the instance (``reset`` keeps
+        them), unless a subclass overrides them or they are set there already (wrappers)."""
         if self.redirecting is False and not self._copied and not (
                 self.ring_nbytes or self.copy_ring_nbytes):
             for name in _PER_STEP:
-                vars(self)[name] = getattr(_TorchrecTrainPipelineSparseDist, name).__get__(self)
+                if name not in vars(self) and getattr(type(self), name) is getattr(
+                        TrainPipelineSparseDist, name):
+                    vars(self)[name] = getattr(_TorchrecTrainPipelineSparseDist, name).__get__(self)
 
     @property
     def ring_nbytes(self) -> int:
@@ -625,8 +628,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         return self._ring.replaced + self._recat_ring.replaced
 
 
-# recpipe's per-step overrides that act as torchrec's once the plan is off (not the in-place
-# copy: recpipe's takes any Pipelineable, torchrec's needs a data_copy_stream argument)
+# per-step overrides that act as torchrec's once the plan is off (not the in-place copy:
+# torchrec's needs a data_copy_stream argument)
 _PER_STEP = ("start_sparse_data_dist", "wait_sparse_data_dist", "copy_batch_to_gpu", "dequeue_batch")
 
 

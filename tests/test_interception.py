@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -129,12 +130,15 @@ def _calls_per_step(spec: ModelSpec, rank: int, device: torch.device,
             nonlocal calls
             calls += event == "call"
 
+        gc.collect()  # no collection (of the pipelines built before) inside the window
+        gc.disable()
         sys.setprofile(profile)
         try:
             for _ in range(STEPS - 2):  # steady state: the pipeline still holds 2 batches
                 pipeline.progress(it)
         finally:
             sys.setprofile(None)
+            gc.enable()
         out[name] = calls / (STEPS - 2)
     return out
 
@@ -154,13 +158,26 @@ def test_python_calls_per_step_do_not_grow_with_the_model() -> None:
     assert abs(extra[16] - extra[4]) < 6, extra
 
 
-def _one_rank_calls(rank: int, world: int, device: torch.device) -> dict:
-    return _calls_per_step(ModelSpec(), rank, device, (_PIPELINES[0], _PIPELINES[2]))
+class _OwnDequeue(TrainPipelineSparseDist):
+    def dequeue_batch(self) -> None:  # a user's override
+        super().dequeue_batch()
+
+
+def _one_rank_calls(rank: int, world: int, device: torch.device) -> tuple[dict, list[str]]:
+    """Calls per step (torchrec's, recpipe's), and which per-step methods a subclass that
+    overrides ``dequeue_batch`` has bound on its instance."""
+    calls = _calls_per_step(ModelSpec(), rank, device, (_PIPELINES[0], _PIPELINES[2]))
+    model, optimizer = build_sharded(ModelSpec(), SHARDING, device, torch.distributed.group.WORLD)
+    pipeline = _OwnDequeue(model, optimizer, device)
+    bound = sorted(n for n, v in vars(pipeline).items() if callable(v) and not n.startswith("_"))
+    return calls, bound
 
 
 def test_one_rank_where_the_plan_never_acts_runs_torchrecs_methods() -> None:
     """One CPU rank (the plan never acts: ``redirecting`` False): torchrec's per-step methods
     run with no recpipe frame in between, so as many Python calls per step as torchrec's
-    pipeline (at world size 1 on CUDA the same, once a small first batch has decided)."""
-    r = run_ranks(1, _one_rank_calls)[0]
+    pipeline (at world size 1 on CUDA the same, once a small first batch has decided); a
+    subclass's override stays."""
+    r, bound = run_ranks(1, _one_rank_calls)[0]
     assert r["recpipe_defaults"] == r["torchrec"] > 0, r
+    assert bound == ["copy_batch_to_gpu", "start_sparse_data_dist", "wait_sparse_data_dist"], bound

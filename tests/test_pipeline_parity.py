@@ -115,6 +115,7 @@ def _train(
             out["copy_ring_nbytes"] = pipeline.copy_ring_nbytes
             out["copy_ring_reused"] = pipeline.copy_ring_reused
             out["copy_ring_replaced"] = pipeline.copy_ring_replaced
+            out["copies_held"] = len(pipeline._copied)  # batches' copy records after the run
     return out
 
 
@@ -275,10 +276,13 @@ TORCHREC_OPTIONS = [  # those of the installed torchrec: 1.7 and 1.8 add two eac
 
 @pytest.mark.parametrize("options", TORCHREC_OPTIONS, ids=lambda o: "+".join(o))
 def test_torchrec_options_compose(options: dict) -> None:
-    """torchrec's own options (its async copy worker: GPUs only, off on CPU) on both sides."""
+    """torchrec's own options (its async copy worker: GPUs only, off on CPU) on both sides; no
+    batch's copy record outlives the run (the in-place copy stays recpipe's after the step-aside
+    to torchrec's methods)."""
     (r,) = run_ranks(1, _train, SHARDINGS["mixed_tw_cw"], 12, TrainPipelineSparseDist,
                      ModelSpec(), options)
     assert r["recpipe"] == r["torchrec"] and len(r["torchrec"]) == 12
+    assert r["copies_held"] == 0, r
 
 
 def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
