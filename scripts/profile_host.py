@@ -239,6 +239,11 @@ def first_step_child(a: argparse.Namespace, device: torch.device) -> None:
     print(json.dumps(dict(end=time.time(), progress_s=time.perf_counter() - t0)), flush=True)
 
 
+def _spread(xs: list[float]) -> str:
+    """``median (min-max)`` of seconds."""
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
 def first_steps(a: argparse.Namespace) -> None:
     """``--first-step``: fresh processes, alternating, timed from launch (module docstring)."""
     runs: dict[str, list[tuple[float, float]]] = {n: [] for n in a.pipelines}
@@ -256,9 +261,8 @@ def first_steps(a: argparse.Namespace) -> None:
                   f"(first progress() {runs[name][-1][1]:.2f} s)", flush=True)  # (a cut run keeps these)
     print(f"### first step, {a.config}, fresh processes, {a.first_step} alternating rounds")
     print("| pipeline | launch to first step s, median (min-max) | first progress() s |\n|---|---|---|")
-    cell = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
     for name, rs in runs.items():
-        print(f"| {name} | {cell([t for t, _ in rs])} | {cell([p for _, p in rs])} |")
+        print(f"| {name} | {_spread([t for t, _ in rs])} | {_spread([p for _, p in rs])} |")
     first, second = (statistics.median(t for t, _ in runs[n]) for n in a.pipelines)
     print(f"{a.pipelines[1]} - {a.pipelines[0]}: {second - first:+.2f} s (medians)")
     if a.json:

@@ -46,6 +46,20 @@ def test_torchrec_against_itself(tmp_path: Path) -> None:
     assert abs(res["ratio"]["calls"] - 1) < 0.01
 
 
+def test_first_step_times_fresh_processes_in_alternating_rounds(tmp_path: Path) -> None:
+    """``--first-step 2``: a fresh process per pipeline and round, in alternating order, each
+    line printed as it ends, then the table and the JSON of every run."""
+    out = tmp_path / "first.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--config=tiny", "--first-step=2",
+                        f"--json={out}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    order = [line.split()[2] for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert order == ["torchrec", "recpipe", "recpipe", "torchrec"], r.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert all(len(runs[n]) == 2 and all(t > p > 0 for t, p in runs[n]) for n in runs), runs
+    assert "| recpipe |" in r.stdout and "recpipe - torchrec:" in r.stdout
+
+
 def test_rounds_alternate_the_order() -> None:
     spec = importlib.util.spec_from_file_location("profile_host", SCRIPT)
     module = importlib.util.module_from_spec(spec)
