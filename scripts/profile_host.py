@@ -311,6 +311,10 @@ def main() -> None:
     a = p.parse_args()
     if len(a.pipelines) != 2:
         p.error("--pipelines takes two names")
+    if a.first_step < 0 or a.blocks < 0:
+        p.error("--first-step and --blocks take a count >= 0 (0: off)")
+    if a.first_step and (a.blocks or a.ranks > 1):
+        p.error("--first-step runs alone: drop --blocks and --ranks")
     if a.first_step:
         return first_steps(a)
     if a.config == MOVIELENS and not (a.blocks or a.first_step_of):

@@ -58,6 +58,9 @@ def test_first_step_times_fresh_processes_in_alternating_rounds(tmp_path: Path) 
     runs = json.loads(out.read_text())["runs"]
     assert all(len(runs[n]) == 2 and all(t > p > 0 for t, p in runs[n]) for n in runs), runs
     assert "| recpipe |" in r.stdout and "recpipe - torchrec:" in r.stdout
+    for bad in (["--first-step=-1"], ["--first-step=2", "--blocks=3"]):  # one line, no traceback
+        r = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "--first-step" in r.stderr
 
 
 def test_rounds_alternate_the_order() -> None:
