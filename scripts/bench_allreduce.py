@@ -138,8 +138,8 @@ def table_from_json(obj: dict, versions: tuple[str, str] | None = None, calls: i
     record them), ``calls`` where it does not record its ``iters``; ``source`` named in the note.
     ``ValueError`` saying what is missing."""
     if (not isinstance(obj, dict) or obj.get("device", "cpu") == "cpu"
-            or not isinstance(obj.get("rows"), list)):
-        raise ValueError("not the --json file of a CUDA run (needs 'device', a GPU, and 'rows')")
+            or not isinstance(obj.get("rows"), list) or "world" not in obj):
+        raise ValueError("not the --json file of a CUDA run (needs 'device', a GPU, 'world' and 'rows')")
     found = (obj.get("torch"), obj.get("nccl"))
     torch_version, nccl_version = found if all(found) else versions or (None, None)
     if not (torch_version and nccl_version):
@@ -193,7 +193,9 @@ def main() -> None:
     p.add_argument("--sizes", default="4K,16K,64K,256K,1M,2M,4M,16M,64M",
                    help="comma-separated message sizes in bytes (K, M suffixes)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
-    p.add_argument("--iters", type=int, default=200, help="timed calls per size, dtype and algorithm")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per size, dtype and algorithm (default: 200; with --table-from: "
+                        "the calls of a file that does not record them)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before them")
     p.add_argument("--json", default=None, help="also write the rows here (rank 0)")
     p.add_argument("--win-sizes", default="2M,16M",
@@ -221,6 +223,7 @@ def main() -> None:
         write_table(table, Path(path))
         print(f"wrote {path} ({table.machine}: {table.note})")
         return
+    a.iters = a.iters or 200
     if a.table_out or a.versions:
         p.error("--table-out and --versions go with --table-from")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -215,6 +215,10 @@ def test_table_from_json_takes_the_files_machine_and_says_what_is_missing(
         bench.table_from_json(old, None, 50)
     with pytest.raises(ValueError, match="not the --json file of a CUDA run"):
         bench.table_from_json({**new, "device": "cpu"})
+    with pytest.raises(ValueError, match="needs 'device', a GPU, 'world'"):  # (was a KeyError)
+        bench.table_from_json({k: v for k, v in new.items() if k != "world"})
+    with pytest.raises(ValueError, match="pass --iters"):  # the CLI passes None unless given
+        bench.table_from_json({k: v for k, v in new.items() if k != "iters"}, None, None)
     no_intervals = [{k: v for k, v in r.items() if k != "ratio_ci95"} for r in records]
     with pytest.raises(ValueError, match="no 95% intervals"):  # (was a KeyError)
         bench.table_from_json({**new, "rows": no_intervals})
