@@ -67,6 +67,22 @@ def test_two_ranks_resume_bit_identical_with_every_optimizer(
     assert saved["local_world_size"] == 2  # by 1 node x 2, resumed by 2 nodes x 1
 
 
+def _agree_failing(rank: int, world: int, device) -> str:
+    from recpipe.train.checkpoint import CheckpointError, _agree
+
+    try:
+        _agree(lambda: Path(None))  # a TypeError on rank 0
+    except (TypeError, CheckpointError) as e:
+        return type(e).__name__
+    return "returned"
+
+
+def test_an_unexpected_error_on_rank_0_reaches_every_rank() -> None:
+    """Rank 0 raises its own error; the other ranks stop with a CheckpointError naming it, not
+    waiting for a broadcast that never comes."""
+    assert run_ranks(2, _agree_failing) == ["TypeError", "CheckpointError"]
+
+
 def test_evaluation_does_not_change_training_on_one_rank(gloo, tmp_path: Path) -> None:
     per = {}
     for pipeline in ("recpipe", "torchrec"):

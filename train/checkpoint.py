@@ -468,8 +468,10 @@ def _merged(full: dict[str, Any], loaded: Mapping[str, Any]) -> dict[str, Any]:
 
 def _agree(fn: Callable[[], T]) -> T:
     """Rank 0 runs ``fn``; every rank returns its result or raises its CheckpointError (an
-    OSError, e.g. a directory not writable, becomes one)."""
+    OSError, e.g. a directory not writable, becomes one). Any other exception: rank 0 raises it,
+    the others a CheckpointError naming it (none waits for a broadcast that never comes)."""
     outcome: list[Any] = [None, None]
+    failed: Exception | None = None
     if dist.get_rank() == 0:
         try:
             outcome[0] = fn()
@@ -477,7 +479,11 @@ def _agree(fn: Callable[[], T]) -> T:
             outcome[1] = str(e)
         except OSError as e:
             outcome[1] = f"checkpoint directory: {e}: fix it or use another trainer.checkpoint_dir"
+        except Exception as e:  # noqa: BLE001 (raised again below, after the broadcast)
+            failed, outcome[1] = e, f"rank 0 failed preparing the checkpoint directory: {e!r}"
     dist.broadcast_object_list(outcome, src=0)
+    if failed is not None:
+        raise failed
     if outcome[1] is not None:
         raise CheckpointError(outcome[1])
     return outcome[0]
