@@ -346,7 +346,7 @@ def main() -> None:
     if a.blocks:
         host_time(a, device, 0)
         return dist.destroy_process_group()
-    data = [make_batch(CONFIGS[a.config], seed=i) for i in range(3)]
+    _, data = spec_and_data(a.config, 0, 1)
     if cuda:
         data = [b.pin_memory() for b in data]
     first, second = (measure(n, a, device, data) for n in a.pipelines)
