@@ -219,6 +219,12 @@ def _host(rs: list[dict]) -> str:
     return f"{host} ({statistics.median(statistics.median(x['wait_ms']) for x in rs):.1f})"
 
 
+def allocator_conf() -> str:
+    """", PYTORCH_CUDA_ALLOC_CONF=..." where it is set (it changes what peak reserved means), else ""."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    return f", PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else ""
+
+
 def _runs_title(names: list[str], runs: dict[str, list[dict]]) -> str:
     """"5 alternating runs", or each pipeline's count where a time limit cut them short."""
     counts = [len(runs[n]) for n in names]
@@ -233,8 +239,8 @@ def table(a: argparse.Namespace, names: list[str], runs: dict[str, list[dict]]) 
     rows = [
         f"\n### {a.config}: {first['world']} x {first['device']}, sharding "
         f"{a.sharding.replace(',', '+')}, {_runs_title(names, runs)} x {a.steps} steps "
-        f"(after {a.warmup} warm-up){', deterministic algorithms' if a.deterministic else ''}; "
-        f"one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
+        f"(after {a.warmup} warm-up){', deterministic algorithms' if a.deterministic else ''}"
+        f"{allocator_conf()}; one batch's KJTs: {kjt_mib:.0f} MiB per rank\n",
         "| pipeline | ms/iter P50 | ms/iter P90 | samples/s | peak alloc MiB | peak reserved MiB | "
         "pipelining tax removed | alloc retries | alloc growth MiB | host ms/step P50 "
         "(in the input dist's wait) |",

@@ -105,7 +105,8 @@ def test_bench_pipeline_time_limit_keeps_the_runs_done(
 ) -> None:
     """``--time-limit``: no run starts that would end after it, judged by the longest run so
     far; the table and the JSON cover the runs done. Runs are faked (each writes its result and
-    moves a fake clock by 1 s), so that which runs fit is exact."""
+    moves a fake clock by 1 s), so that which runs fit is exact. The title names the allocator's
+    settings where they are set."""
     spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPTS / "bench_pipeline.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -120,6 +121,7 @@ def test_bench_pipeline_time_limit_keeps_the_runs_done(
 
     monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run))
     monkeypatch.setattr(bench, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_pipeline.py", "--config=tiny", "--repeats=3", "--pipelines=torchrec,recpipe",
@@ -130,6 +132,7 @@ def test_bench_pipeline_time_limit_keeps_the_runs_done(
     saved = json.loads(out.read_text())
     assert {n: len(rs) for n, rs in saved["runs"].items()} == {"torchrec": 2, "recpipe": 1}
     assert "alternating runs (torchrec 2, recpipe 1)" in saved["title"]
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True;" in saved["title"]
     monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--time-limit=0"])
     with pytest.raises(SystemExit):
         bench.main()
