@@ -139,6 +139,44 @@ def test_bench_pipeline_time_limit_keeps_the_runs_done(
     assert "--time-limit must be > 0 seconds" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("losses, exits", [
+    ({"torchrec": [[0.5]], "recpipe": [[0.5]]}, False),
+    ({"torchrec": [[0.5]], "recpipe": [[0.25]]}, True),  # each repeats itself: a real difference
+    ({"torchrec": [[0.5], [0.75]], "recpipe": [[0.25]]}, False),  # run-to-run noise hides it
+])
+def test_bench_pipeline_fails_only_where_losses_can_tell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+    losses: dict[str, list[list[float]]], exits: bool,
+) -> None:
+    """The bench exits non-zero where the pipelines' losses differ while each pipeline repeats
+    its own exactly; where one pipeline's runs differ (GPU runs without --deterministic) it
+    says so and exits 0."""
+    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPTS / "bench_pipeline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs_left = {n: list(ls) for n, ls in losses.items()}
+
+    def run(cmd: list[str], check: bool) -> None:
+        result = next(x.split("=", 1)[1] for x in cmd if x.startswith("--result="))
+        name = next(x.split("=", 1)[1] for x in cmd if x.startswith("--run-one="))
+        mine = runs_left[name]
+        res = dict(ms=[1.0], losses=mine.pop(0) if len(mine) > 1 else mine[0], alloc=0.0,
+                   reserved=0.0, retries=0, growth=0.0, ring=0.0, kjt_mib=1.0, world=1, device="cpu")
+        Path(result).write_text(json.dumps(res))
+
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run))
+    monkeypatch.setattr(sys, "argv", [
+        "bench_pipeline.py", "--config=tiny", "--repeats=2", "--pipelines=torchrec,recpipe",
+        f"--data-dir={tmp_path}"])
+    if exits:
+        with pytest.raises(SystemExit, match="losses differ between pipelines"):
+            bench.main()
+    else:
+        bench.main()
+    noisy = "cannot tell the pipelines apart" in capsys.readouterr().out
+    assert noisy == (len(losses["torchrec"]) > 1)
+
+
 def test_plot_pareto_memory_only_and_tax_share(tmp_path: Path) -> None:
     """Shared-GPU runs plot memory only; the tax share is (torchrec - x) / (torchrec - base)."""
     run = lambda ms, mib: dict(ms=[ms], reserved=mib, device="H100 (ranks share it, gloo)")  # noqa: E731
