@@ -93,7 +93,7 @@ class MemoryPlan:
 class Facts:
     """What the plan depends on: world size, device, the sharding plan's types, and torchrec's
     own options (its in-place copy or early free; its ``clear_data_dist_inputs``; a pipelined
-    postproc)."""
+    postproc; ``p2_on_main``: its process-wide flag, set by any ``clear_data_dist_inputs``)."""
 
     world: int
     cuda: bool
@@ -101,6 +101,7 @@ class Facts:
     torchrec_copies_or_frees: bool = False
     torchrec_clears: bool = False
     postproc: bool = False
+    p2_on_main: bool = False
 
     @property
     def bucketized(self) -> bool:
@@ -134,7 +135,7 @@ def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
 
 
 def _default_recat(facts: Facts, received: Sizes) -> Recat:
-    if not facts.cuda or facts.world == 1:  # no streams (CPU) or no recat: nothing to gain
+    if not facts.cuda or facts.world == 1 or facts.p2_on_main:  # no streams, no recat, or on main
         return "torchrec"
     return "high_water" if facts.bucketized and received == "high_water" else "exact"
 
@@ -168,15 +169,16 @@ def _several_ranks_problem(plan: MemoryPlan, facts: Facts) -> str | None:
             value = getattr(plan, name)
             if value not in (None, "exact", "torchrec", "before_forward"):
                 return f"{name}={value!r} needs world size > 1 (no all-to-all at one rank)"
-    if plan.recat == "ring" and facts.torchrec_clears:
-        return "recat='ring' does not work with torchrec's clear_data_dist_inputs (P2 on main)"
+    if plan.recat not in (None, "torchrec") and (facts.torchrec_clears or facts.p2_on_main):
+        return (f"recat={plan.recat!r} needs P2 on data_dist: torchrec runs P2 on main in the "
+                "process once any pipeline has clear_data_dist_inputs=True")
     return None
 
 
 def _default_inputs(facts: Facts, free: bool, input_dist: InputDist) -> Inputs:
     if not free or facts.torchrec_copies_or_frees:
         return "fresh"
-    if (facts.world > 1 and not facts.torchrec_clears and not facts.postproc
+    if (facts.world > 1 and not (facts.torchrec_clears or facts.p2_on_main) and not facts.postproc
             and facts.types and facts.types <= _COPIED_IN_ORDER):
         return "permuted"
     return "fresh" if input_dist == "after_forward" else "ring"
@@ -201,7 +203,7 @@ def _inputs_problem(inputs: Inputs, facts: Facts, free: bool, chosen_free: bool 
         if "data_parallel" in facts.types
         else "inputs='permuted' does not work with pipeline_postproc (it may read the values)"
         if facts.postproc
-        else "inputs='permuted' does not work with torchrec's own copy and input frees"
-        if facts.torchrec_copies_or_frees or facts.torchrec_clears
+        else "inputs='permuted' does not work with torchrec's own copy, input frees or P2 on main"
+        if facts.torchrec_copies_or_frees or facts.torchrec_clears or facts.p2_on_main
         else None
     )

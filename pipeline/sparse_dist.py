@@ -25,6 +25,7 @@ exactly.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -164,6 +165,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             torchrec_copies_or_frees=copies_or_frees_inputs_itself(self),
             torchrec_clears=clears_data_dist_inputs(self),
             postproc=bool(getattr(self, "_pipeline_postproc", False)),
+            p2_on_main=dist_init_on_main_stream(),
         )
         plan = resolve(self.memory_plan, facts)
         #: the resolved memory plan (``memory_plan`` with the model's defaults filled in); the
@@ -552,6 +554,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             kjt_type = self._kjt_type if self._redirect_dist_init else None  # (None: torchrec's P2)
             for name, request in requests.items():
                 requests[name] = _DistInitRedirected(request, kjt_type, before)
+        elif self._redirect_dist_init:  # (said once: Python's default warning filter)
+            warnings.warn("recpipe: a later pipeline's clear_data_dist_inputs=True moved P2 to main "
+                          "for the process (torchrec's flag): the recat placement stops acting")
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
@@ -641,18 +646,15 @@ def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocat
     alloc = main_stream_allocator(main)
 
     def kept(spec: PermuteSpec) -> PermuteBuffers:
-        buffers = alloc(spec)
-        keep.append(buffers)
-        return buffers
+        keep.append(alloc(spec))
+        return keep[-1]
 
     return kept
 
 
-def _nbytes(tensors_or_kjts: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:
+def _nbytes(xs: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:
     """Bytes of the tensors and of the KJTs' tensors; 0 for none."""
-    return sum(
-        kjt_nbytes(x) if isinstance(x, KeyedJaggedTensor) else x.nbytes for x in tensors_or_kjts
-    )
+    return sum(kjt_nbytes(x) if isinstance(x, KeyedJaggedTensor) else x.nbytes for x in xs)
 
 
 def _with_kjt_type(
@@ -683,9 +685,8 @@ def _with_kjt_type(
 class _DistInitRedirected(Awaitable[Any]):
     """An input-dist tensors request whose all-to-alls' ``dist_init`` (P2) is ``kjt_type``'s:
     their input KJTs take that class during the wait only (one may be the batch's own KJT,
-    when ``KeyedJaggedTensor.split`` returns it whole; None: torchrec's own P2). ``before()``
-    runs first. Streams:
-    torchrec's ``PipelinedForward`` waits it on data_dist, then makes main wait on data_dist."""
+    when ``KeyedJaggedTensor.split`` returns it whole; None: torchrec's own P2). ``before()`` runs
+    first. Streams: torchrec's ``PipelinedForward`` waits it on data_dist, then main on data_dist."""
 
     def __init__(
         self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor] | None,
@@ -710,15 +711,12 @@ class _DistInitRedirected(Awaitable[Any]):
 def _sharding_types(model: torch.nn.Module) -> set[str]:
     """The sharding types of the (DistributedModelParallel) plan; empty without one."""
     plan = getattr(model, "plan", None)
-    if plan is None:
-        return set()
-    return {p.sharding_type for module_plan in plan.plan.values() for p in module_plan.values()}
+    return set() if plan is None else {
+        p.sharding_type for module_plan in plan.plan.values() for p in module_plan.values()}
 
 
 def _world_size(model: torch.nn.Module) -> int:
     """The sharded model's world size (DistributedModelParallel's), else the default group's."""
     env = getattr(model, "_env", None)
-    if env is not None:
-        return env.world_size
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return env.world_size if env else dist.get_world_size() if dist.is_initialized() else 1
 

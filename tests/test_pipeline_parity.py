@@ -18,6 +18,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from dist_utils import run_ranks
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
 from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.testing.launch import SHARED_GPU_ENV, rank_backend_device
@@ -296,6 +297,38 @@ def _split_on_two_ranks(rank: int, world: int, device: torch.device) -> str:
 
 def test_split_feature_permute_refuses_several_ranks() -> None:
     assert all("needs world size 1" in r for r in run_ranks(2, _split_on_two_ranks))
+
+
+def _recat_where_torchrec_moved_p2(rank: int, world: int, device: torch.device) -> list[str]:
+    """The refusal (flag set before the pipeline is built), then the warning (set after)."""
+    model, optimizer = build_sharded(ModelSpec(), ["table_wise"], device, torch.distributed.group.WORLD)
+    chosen = type("RecatExact", (TrainPipelineSparseDist,), {"memory_plan": MemoryPlan(recat="exact")})
+    said = []
+    try:
+        PipelinedForward._use_main_stream_for_dist_init = True  # what clear_data_dist_inputs sets
+        with pytest.raises(ValueError) as refused:
+            chosen(model, optimizer, device)
+        said.append(str(refused.value))
+        PipelinedForward._use_main_stream_for_dist_init = False
+        pipeline = chosen(model, optimizer, device)
+        PipelinedForward._use_main_stream_for_dist_init = True
+        it = batches(ModelSpec(), 6, rank)
+        with pytest.warns(UserWarning) as warned:
+            for _ in range(4):
+                pipeline.progress(it)
+        said += [str(w.message) for w in warned]
+    finally:  # (the rank's process serves later tests)
+        PipelinedForward._use_main_stream_for_dist_init = False
+    return said
+
+
+def test_a_recat_placement_where_torchrec_moved_p2_to_main_is_refused_or_said() -> None:
+    """torchrec's ``clear_data_dist_inputs`` runs every P2 of the process on main (a class
+    flag): a recat placement chosen for a pipeline would not act. Set before the pipeline is
+    built, the placement is refused; set by a pipeline built later, a warning says so."""
+    for said in run_ranks(2, _recat_where_torchrec_moved_p2):
+        assert "needs P2 on data_dist" in said[0]
+        assert len(said) >= 2 and all("recat placement stops acting" in s for s in said[1:])
 
 
 def _permuted_copy_on(rank: int, world: int, device: torch.device, sharding: str) -> str:

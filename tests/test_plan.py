@@ -28,6 +28,9 @@ TW_RW = frozenset({"table_wise", "row_wise"})
      MemoryPlan("fresh", True, "high_water", "high_water", "exact", "before_forward")),
     (Facts(1, True, TW_CW, torchrec_clears=True),
      MemoryPlan("ring", True, "fresh", "exact", "torchrec", "before_forward")),
+    # P2 on main for the process (torchrec's flag, another pipeline's clear_data_dist_inputs)
+    (Facts(2, True, TW_RW, p2_on_main=True),
+     MemoryPlan("ring", True, "high_water", "high_water", "torchrec", "before_forward")),
     # CPU: no streams, torchrec's placements but the early give-back of what was sent
     (Facts(1, False, TW_CW), MemoryPlan("fresh", False, "fresh", "exact", "torchrec", "before_forward")),
     (Facts(2, False, TW_CW), MemoryPlan("fresh", False, "fresh", "exact", "torchrec", "before_forward")),
@@ -59,6 +62,8 @@ def test_a_chosen_field_stays_and_the_rest_follow_the_model() -> None:
     (MemoryPlan(recat="ring"), Facts(1, True, TW_CW), "recat='ring' needs world size > 1"),
     (MemoryPlan(received="high_water"), Facts(1, True, TW_CW), "received='high_water' needs world"),
     (MemoryPlan(recat="ring"), Facts(2, True, TW_CW, torchrec_clears=True), "P2 on main"),
+    (MemoryPlan(recat="high_water"), Facts(2, True, TW_RW, p2_on_main=True), "needs P2 on data_dist"),
+    (MemoryPlan(inputs="permuted"), Facts(2, True, TW_CW, p2_on_main=True), "or P2 on main"),
     (MemoryPlan(inputs="permuted", free_inputs=False), Facts(2, True, TW_CW), "needs free_inputs"),
     (MemoryPlan(inputs="ring", input_dist="after_forward"), Facts(2, True, TW_CW | {"data_parallel"}),
      "saves nothing with input_dist='after_forward'"),
