@@ -34,8 +34,8 @@ bucketized)                                             later at the forward (al
 outputs)                                                the last batch freed fits.
 ``recat``     data_dist    main            i           ``"exact"``: main's pool, after an
 (P2 output)                (forward,                   event on main (no ``record_stream``);
-                           backward)                   ``"torchrec"``: data_dist's (CPU: no
-                                                        streams, nothing to gain).
+                           backward)                   ``"torchrec"``: data_dist's (CPU, or
+                                                        torchrec's P2 on main: no other).
                                                         ``"high_water"``: sized per module,
                                                         for varying row-wise ids. ``"ring"``:
                                                         one pipeline slot (a buffer per P2
