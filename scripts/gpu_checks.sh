@@ -20,6 +20,7 @@
 #        overlap-checks: GPU ordering test, sanitizer + recompiles (tiny; auto and symm_mem)
 #        overlap-bench: DDP vs auto vs nccl all-reduce, dense_heavy then small (OVERLAP_CONFIGS),
 #        5 alternating runs each (those that fit before CALL_LIMIT: 200 s kept per later config)
+#   bash scripts/gpu_checks.sh plane      # 2 GPUs, issue 38: 1 rank, column- and row-wise, anchors
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
 out=${OUT:-/tmp/recpipe-gpu}
@@ -206,17 +207,33 @@ case "${1:-}" in
     done
     ;;&
   overlap|overlap-bench)  # step time, DDP (plain recpipe) vs the overlapped bucketed all-reduce
-    # (auto, nccl), alternating runs in fresh processes, per config of OVERLAP_CONFIGS (default
-    # dense_heavy then small), each but the last stopping 200 s early per config after it
+    # (auto, nccl; OVERLAP_PIPELINES), alternating runs in fresh processes, per config of
+    # OVERLAP_CONFIGS (default dense_heavy then small; BATCH_SIZE overrides theirs), each but the
+    # last stopping 200 s early per config after it
     configs=(${OVERLAP_CONFIGS:-dense_heavy small})
     for i in "${!configs[@]}"; do
       c=${configs[$i]}
       python3 scripts/bench_pipeline.py --config "$c" --repeats "${REPEATS:-5}" --sharding "$sharding" \
-        --pipelines recpipe,recpipe_auto_ar,recpipe_nccl_ar --time-limit "$(left $(( (${#configs[@]} - 1 - i) * 200 )))" \
+        --pipelines ${OVERLAP_PIPELINES:-recpipe,recpipe_auto_ar,recpipe_nccl_ar} ${BATCH_SIZE:+--batch-size $BATCH_SIZE} --time-limit "$(left $(( (${#configs[@]} - 1 - i) * 200 )))" \
         --json "$out/overlap-$c-$ngpu.json" --out "$out/overlap-$c.md" 2>&1 | tee "$out/overlap-$c.log" \
         | grep -E "^  run|^\||vs|identical|^###|time-limit|rror"
     done
     ;;
   overlap-table|overlap-checks) ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling|overlap[-table|-checks|-bench]" >&2; exit 2 ;;
+  plane)  # 2 GPUs, issue 38: every plan on the memory-time plane, the anchors and recpipe on the
+    # large config, REPEATS (2) alternating runs each: 1 rank (GPU 0), then table-/column-wise and
+    # table-/row-wise on both GPUs (each stopping early enough for the next: 200 s kept per plan
+    # after it). Plot on any machine: scripts/plot_pareto.py plane-*.json --plot plane.png
+    kept=600
+    for plan in 1rank table_wise,column_wise table_wise,row_wise; do
+      kept=$(( kept - 200 )); nproc=2 shard=$plan gpus=0,1
+      [ "$plan" = 1rank ] && nproc=1 shard=table_wise,column_wise gpus=0
+      CUDA_VISIBLE_DEVICES=$gpus python3 scripts/bench_pipeline.py --nproc $nproc --config large \
+        --warmup 5 --steps 8 --distinct-batches 2 --repeats "${REPEATS:-2}" --sharding "$shard" \
+        --pipelines "$pipelines" --time-limit "$(left $kept)" \
+        --json "$out/plane-${plan//,/+}.json" 2>&1 | tee "$out/plane-${plan//,/+}.log" \
+        | grep -E "^  run|^\||vs|^###|time-limit|rror"
+    done
+    ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling|overlap[-table|-checks|-bench]|plane" >&2; exit 2 ;;
 esac
