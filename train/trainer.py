@@ -547,8 +547,9 @@ class _Trainer:
         raises on every rank, which then stop together."""
         if step == self.saved:
             return
-        tensors = [*self.window.losses, *_local_tensors(self.model)]
-        ok = torch.tensor([int(all(bool(torch.isfinite(x).all()) for x in tensors))])
+        tensors = [*self.window.losses, *_local_tensors(self.model)]  # one host sync for all:
+        ok = torch.stack([torch.isfinite(x).all().to(self.device) for x in tensors]).all()
+        ok = ok.to(torch.int64).reshape(1).cpu()
         if self.control is not None:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.control)
         if not int(ok):
