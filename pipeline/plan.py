@@ -169,7 +169,8 @@ def _several_ranks_problem(plan: MemoryPlan, facts: Facts) -> str | None:
             value = getattr(plan, name)
             if value not in (None, "exact", "torchrec", "before_forward"):
                 return f"{name}={value!r} needs world size > 1 (no all-to-all at one rank)"
-    if plan.recat not in (None, "torchrec") and (facts.torchrec_clears or facts.p2_on_main):
+    if facts.world > 1 and plan.recat not in (None, "torchrec") and (
+            facts.torchrec_clears or facts.p2_on_main):
         return (f"recat={plan.recat!r} needs P2 on data_dist: torchrec runs P2 on main in the "
                 "process once any pipeline has clear_data_dist_inputs=True")
     return None

@@ -187,6 +187,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self.stats = PipelineStats()
         # P2, the recat after the all-to-all (more than one rank), where the plan places it
         self._redirect_dist_init = several and plan.recat != "torchrec"
+        self._p2_moved_said = False  # (warned that torchrec's flag moved P2 to main since)
         self._release_sent = several  # what the all-to-alls sent goes a step early
         self._main = main
         self._input_dist_runner: Runner | None = None  # P1's, for the batch in input dist
@@ -554,7 +555,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             kjt_type = self._kjt_type if self._redirect_dist_init else None  # (None: torchrec's P2)
             for name, request in requests.items():
                 requests[name] = _DistInitRedirected(request, kjt_type, before)
-        elif self._redirect_dist_init:  # (said once: Python's default warning filter)
+        elif (self._redirect_dist_init or learned) and not self._p2_moved_said:
+            self._p2_moved_said = True
             warnings.warn("recpipe: a later pipeline's clear_data_dist_inputs=True moved P2 to main "
                           "for the process (torchrec's flag): the recat placement stops acting")
         if self.uses_split_permute:  # the splits are read: now data_dist needs the values
@@ -688,14 +690,10 @@ class _DistInitRedirected(Awaitable[Any]):
     when ``KeyedJaggedTensor.split`` returns it whole; None: torchrec's own P2). ``before()`` runs
     first. Streams: torchrec's ``PipelinedForward`` waits it on data_dist, then main on data_dist."""
 
-    def __init__(
-        self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor] | None,
-        before: Callable[[], object] | None = None,
-    ) -> None:
+    def __init__(self, inner: Awaitable[Any], kjt_type: type[KeyedJaggedTensor] | None,
+                 before: Callable[[], object] | None = None) -> None:
         super().__init__()
-        self._inner = inner
-        self._kjt_type = kjt_type
-        self._before = before
+        self._inner, self._kjt_type, self._before = inner, kjt_type, before
         self.awaitables = [inner]  # what it waits on, as torchrec's list awaitables name it
 
     def _wait_impl(self) -> Any:
@@ -718,5 +716,5 @@ def _sharding_types(model: torch.nn.Module) -> set[str]:
 def _world_size(model: torch.nn.Module) -> int:
     """The sharded model's world size (DistributedModelParallel's), else the default group's."""
     env = getattr(model, "_env", None)
-    return env.world_size if env else dist.get_world_size() if dist.is_initialized() else 1
+    return env.world_size if env is not None else dist.get_world_size() if dist.is_initialized() else 1
 

@@ -224,6 +224,7 @@ case "${1:-}" in
     # large config, REPEATS (2) alternating runs each: 1 rank (GPU 0), then table-/column-wise and
     # table-/row-wise on both GPUs (each stopping early enough for the next: 200 s kept per plan
     # after it). Plot on any machine: scripts/plot_pareto.py plane-*.json --plot plane.png
+    [ "$ngpu" -ge 2 ] || { echo "gpu_checks.sh plane: needs 2 GPUs, found $ngpu" >&2; exit 2; }
     kept=600
     for plan in 1rank table_wise,column_wise table_wise,row_wise; do
       kept=$(( kept - 200 )); nproc=2 shard=$plan gpus=0,1

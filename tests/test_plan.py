@@ -52,6 +52,12 @@ def test_a_chosen_field_stays_and_the_rest_follow_the_model() -> None:
     assert plan == MemoryPlan("fresh", False, "high_water", "high_water", "ring", "before_forward")
 
 
+def test_p2_on_main_matters_only_where_there_is_a_p2() -> None:
+    """At one rank there is no all-to-all, so no P2 to move: ``recat="exact"`` stays allowed."""
+    for facts in (Facts(1, True, TW_CW, p2_on_main=True), Facts(1, True, TW_CW, torchrec_clears=True)):
+        assert resolve(MemoryPlan(recat="exact"), facts).recat == "exact"
+
+
 @pytest.mark.parametrize("plan, facts, problem", [
     (MemoryPlan(p1="split_ring"), Facts(2, True, TW_CW), "p1='split_ring' needs world size 1"),
     (MemoryPlan(p1="split_ring"), Facts(1, True, TW_RW), "does not work with row-wise tables"),
