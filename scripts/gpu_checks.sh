@@ -11,7 +11,8 @@
 #        allreduce-checks: tests, latency table, losses over 100 steps (DDP vs nccl vs symm_mem)
 #        allreduce-bench: step time with each dense all-reduce, 5 alternating runs, small and
 #        dense_heavy configs
-#   bash scripts/gpu_checks.sh allreduce-profile  # >= 2 GPUs: traces + recompiles, DDP vs symm/auto
+#   bash scripts/gpu_checks.sh allreduce-profile  # >= 2 GPUs: traces + recompiles, DDP vs symm/auto,
+#        each collective's exposed GPU time per step (PROFILE_CONFIG, BATCH_SIZE)
 #   bash scripts/gpu_checks.sh train      # >= 2 GPUs: torchrun training, both pipelines; bench
 #   bash scripts/gpu_checks.sh multinode  # 2 GPUs as 2 torchrun "nodes" of 1 vs 1 node of 2
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
@@ -127,10 +128,12 @@ case "${1:-}" in
     done
     ;;
   allreduce-profile)  # >= 2 GPUs: host and device timelines (torch.profiler, stacks) and dynamo
-    # recompiles of DDP vs the symmetric-memory and auto buckets, small config, 1 run each
-    TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --config small --repeats 1 \
-      --sharding "$sharding" --pipelines recpipe,recpipe_symm_ar,recpipe_auto_ar \
+    # recompiles of DDP vs the symmetric-memory and auto buckets, PROFILE_CONFIG (small), 1 run
+    # each; then each collective's exposed GPU time per step (scripts/exposed_comm.py)
+    TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --config "${PROFILE_CONFIG:-small}" --repeats 1 \
+      --sharding "$sharding" --pipelines recpipe,recpipe_symm_ar,recpipe_auto_ar ${BATCH_SIZE:+--batch-size $BATCH_SIZE} \
       --profile "$out/profile" 2>&1 | tee "$out/profile.log" | grep -E "^\||vs|ecompil|rror"
+    python3 scripts/exposed_comm.py "$out"/profile/*-rank0.json | tee "$out/exposed_comm.md"
     ;;
   allreduce-checks) ;;
   train)  # torchrun training on MovieLens-100k (carry data/: scripts/prepare_movielens.py makes

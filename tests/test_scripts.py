@@ -273,3 +273,30 @@ def test_bench_max_batch_names_the_pipelines_before_running(tmp_path: Path) -> N
              "--lo=1", "--hi=2", f"--data-dir={tmp_path}")
     assert r.returncode == 2 and "unknown torchrecc: pick from torchrec, " in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exposed_comm_measures_what_no_compute_kernel_hides(tmp_path: Path) -> None:
+    """All-reduce 5-25 µs against compute 0-10 and 20-30: 20 busy, 10 exposed (10-20); an
+    all-to-all 28-35: 7 busy, 5 exposed; per step (2 profiled steps halve every figure)."""
+    spec = importlib.util.spec_from_file_location("exposed_comm", SCRIPTS / "exposed_comm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def kernel(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("void at::native::elementwise_kernel", 0, 10), kernel("sm90_gemm", 20, 10),
+              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 5, 20),
+              kernel("ncclDevKernel_SendRecv", 28, 7),
+              {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#6", "ts": 0, "dur": 40}]
+    r = mod.analyse({"traceEvents": events})
+    assert r == {"steps": 1.0, "compute busy": 20.0, "all-reduce busy": 20.0,
+                 "all-reduce exposed": 10.0, "all-to-all busy": 7.0, "all-to-all exposed": 5.0,
+                 "GPU span": 35.0}
+    events.append({**events[-1], "name": "ProfilerStep#7", "ts": 40})
+    assert mod.analyse({"traceEvents": events})["all-reduce exposed"] == 5.0
+    assert mod.minus([(0, 10), (20, 30)], [(5, 22), (25, 26)]) == [(0, 5), (22, 25), (26, 30)]
+    bad = tmp_path / "cpu-only.json"
+    bad.write_text(json.dumps({"traceEvents": events[-2:]}))
+    r = _run(str(SCRIPTS / "exposed_comm.py"), str(bad), compile=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "no GPU kernels" in r.stderr
