@@ -542,9 +542,16 @@ def _remove_step(d: str) -> None:
     shutil.rmtree(d)
 
 
+def first_failure(e: BaseException) -> BaseException:
+    """``e``, or where it is DCP's CheckpointException (every failing rank's errors), the first
+    rank's error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return next(iter(e.failures.values()))[0]  # (exception, traceback)
+    return e
+
+
 def _reason(e: BaseException) -> str:
     """A (DCP) exception's message on one line: a CheckpointException's first rank's error."""
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]  # (exception, traceback)
+    e = first_failure(e)
     lines = str(e).strip().splitlines()
     return (lines[0] if lines else type(e).__name__)[:200]

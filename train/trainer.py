@@ -41,7 +41,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TorchrecPipeline
 from tqdm import tqdm
 
-from recpipe.train.checkpoint import CheckpointDir
+from recpipe.train.checkpoint import CheckpointDir, first_failure
 from recpipe.train.config import TrainConfig, UsageError, save_yaml
 from recpipe.train.data import DataSource, make_source
 from recpipe.pipeline.sparse_dist import TrainPipelineSparseDist as RecpipePipeline
@@ -629,8 +629,7 @@ def _save_error(e: BaseException, directory: str) -> BaseException:
     every failing rank's: the first's), an OSError naming its file or else ``directory``
     (Python's writes name none), and ``OSError(ENOSPC)`` naming ``directory`` where its disk is
     full but the error does not say so."""
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]  # (exception, traceback)
+    e = first_failure(e)
     if isinstance(e, OSError) and e.errno is not None:
         return OSError(e.errno, e.strerror, e.filename or directory)
     if _free_bytes(directory) < FULL_BYTES:
