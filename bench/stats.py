@@ -1,10 +1,16 @@
-"""Intervals the benchmarks share: ``scripts/bench_allreduce.py`` (per-call ratios) and
-``scripts/profile_host.py --blocks`` (per-round ratios of two pipelines)."""
+"""Statistics the benchmarks share: the median's interval (``scripts/bench_allreduce.py``'s
+per-call ratios, ``scripts/profile_host.py --blocks``'s per-round ratios of two pipelines) and
+the median with the range of runs (``bench_pipeline.py``'s and ``profile_host.py``'s tables)."""
 
 from __future__ import annotations
 
 import math
 import statistics
+
+
+def median_spread(xs: list[float], spec: str = ".0f") -> str:
+    """``median (min-max)`` of ``xs``, each formatted by ``spec``: a table cell for runs."""
+    return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}-{max(xs):{spec}})"
 
 
 def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float, float]:

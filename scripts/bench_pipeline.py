@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from recpipe.bench.configs import CONFIGS
+from recpipe.bench.stats import median_spread as fmt
 from recpipe.bench.variants import DENSE_ALLREDUCE, PIPELINES, pipeline_names
 from recpipe.kjt import kjt_nbytes
 from recpipe.testing.launch import rank_backend_device
@@ -204,10 +205,6 @@ def tax_removed(runs: dict[str, list[dict]]) -> dict[str, str]:
     return {n: f"{100 * (res['torchrec'] - r) / tax:.0f}% of {tax:.0f} MiB" for n, r in res.items()}
 
 
-def fmt(xs: list[float], spec: str = ".0f") -> str:
-    return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}-{max(xs):{spec}})"
-
-
 def _host(rs: list[dict]) -> str:
     """The runs' median host ms per step, then in the input dist's wait ("-": not measured,
     or the pipeline has no such wait)."""
@@ -220,7 +217,8 @@ def _host(rs: list[dict]) -> str:
 
 
 def allocator_conf() -> str:
-    """", PYTORCH_CUDA_ALLOC_CONF=..." where it is set (it changes what peak reserved means), else ""."""
+    """The title's note of ``PYTORCH_CUDA_ALLOC_CONF`` where it is set (it changes what peak
+    reserved means), else ""."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     return f", PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else ""
 

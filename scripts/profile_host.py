@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from recpipe.bench.configs import CONFIGS
-from recpipe.bench.stats import median_interval
+from recpipe.bench.stats import median_interval, median_spread
 from recpipe.bench.variants import PIPELINES, pipeline_names
 from recpipe.testing.launch import rank_backend_device
 from recpipe.testing.synthetic import Batch, ModelSpec, build_sharded, make_batch
@@ -239,11 +239,6 @@ def first_step_child(a: argparse.Namespace, device: torch.device) -> None:
     print(json.dumps(dict(end=time.time(), progress_s=time.perf_counter() - t0)), flush=True)
 
 
-def _spread(xs: list[float]) -> str:
-    """``median (min-max)`` of seconds."""
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
-
-
 def first_steps(a: argparse.Namespace) -> None:
     """``--first-step``: fresh processes, alternating, timed from launch (module docstring)."""
     runs: dict[str, list[tuple[float, float]]] = {n: [] for n in a.pipelines}
@@ -262,7 +257,8 @@ def first_steps(a: argparse.Namespace) -> None:
     print(f"### first step, {a.config}, fresh processes, {a.first_step} alternating rounds")
     print("| pipeline | launch to first step s, median (min-max) | first progress() s |\n|---|---|---|")
     for name, rs in runs.items():
-        print(f"| {name} | {_spread([t for t, _ in rs])} | {_spread([p for _, p in rs])} |")
+        print(f"| {name} | {median_spread([t for t, _ in rs], '.2f')} | "
+              f"{median_spread([p for _, p in rs], '.2f')} |")
     first, second = (statistics.median(t for t, _ in runs[n]) for n in a.pipelines)
     print(f"{a.pipelines[1]} - {a.pipelines[0]}: {second - first:+.2f} s (medians)")
     if a.json:
