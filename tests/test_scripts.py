@@ -9,8 +9,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -100,6 +101,29 @@ def test_bench_pipeline_leaves_the_cuda_trace_off() -> None:
     assert r.stdout.split() == ["False", "False"]
 
 
+def _script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (its ``main()`` not run)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _faked_runs(monkeypatch: pytest.MonkeyPatch, result: Callable[[str], dict]) -> ModuleType:
+    """bench_pipeline with each run faked: it writes ``result(pipeline)`` plus the fields every
+    run has (1 ms per step, no memory, 1 MiB of KJTs, world 1)."""
+    bench = _script("bench_pipeline")
+
+    def run(cmd: list[str], check: bool) -> None:
+        arg = dict(x[2:].split("=", 1) for x in cmd if x.startswith("--") and "=" in x)
+        res = dict(ms=[1.0], alloc=0.0, reserved=0.0, retries=0, growth=0.0, ring=0.0,
+                   kjt_mib=1.0, world=1, **result(arg["run-one"]))
+        Path(arg["result"]).write_text(json.dumps(res))
+
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run))
+    return bench
+
+
 def test_bench_pipeline_time_limit_keeps_the_runs_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -107,19 +131,13 @@ def test_bench_pipeline_time_limit_keeps_the_runs_done(
     far; the table and the JSON cover the runs done. Runs are faked (each writes its result and
     moves a fake clock by 1 s), so that which runs fit is exact. The title names the allocator's
     settings where they are set."""
-    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPTS / "bench_pipeline.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     clock = [0.0]
 
-    def run(cmd: list[str], check: bool) -> None:
-        result = next(x.split("=", 1)[1] for x in cmd if x.startswith("--result="))
-        res = dict(ms=[1.0], losses=[0.5], alloc=0.0, reserved=0.0, retries=0, growth=0.0,
-                   ring=0.0, kjt_mib=1.0, world=1, device="cpu")
-        Path(result).write_text(json.dumps(res))
+    def result(name: str) -> dict:
         clock[0] += 1.0
+        return dict(losses=[0.5], device="cpu")
 
-    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run))
+    bench = _faked_runs(monkeypatch, result)
     monkeypatch.setattr(bench, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     out = tmp_path / "r.json"
@@ -156,20 +174,13 @@ def test_bench_pipeline_fails_only_where_losses_can_tell(
     """The bench exits non-zero where the pipelines' losses differ and the losses can tell: on
     the CPU, with --deterministic, or where each pipeline repeats its own over 2 runs or more.
     Else (GPU runs without --deterministic) it says why it cannot tell and exits 0."""
-    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPTS / "bench_pipeline.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     runs_left = {n: list(ls) for n, ls in losses.items()}
 
-    def run(cmd: list[str], check: bool) -> None:
-        result = next(x.split("=", 1)[1] for x in cmd if x.startswith("--result="))
-        name = next(x.split("=", 1)[1] for x in cmd if x.startswith("--run-one="))
+    def result(name: str) -> dict:
         mine = runs_left[name]
-        res = dict(ms=[1.0], losses=mine.pop(0) if len(mine) > 1 else mine[0], alloc=0.0,
-                   reserved=0.0, retries=0, growth=0.0, ring=0.0, kjt_mib=1.0, world=1, device=device)
-        Path(result).write_text(json.dumps(res))
+        return dict(losses=mine.pop(0) if len(mine) > 1 else mine[0], device=device)
 
-    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run))
+    bench = _faked_runs(monkeypatch, result)
     monkeypatch.setattr(sys, "argv", [
         "bench_pipeline.py", "--config=tiny", f"--repeats={repeats}", "--pipelines=torchrec,recpipe",
         f"--data-dir={tmp_path}"])
@@ -278,9 +289,7 @@ def test_bench_max_batch_names_the_pipelines_before_running(tmp_path: Path) -> N
 def test_exposed_comm_measures_what_no_compute_kernel_hides(tmp_path: Path) -> None:
     """All-reduce 5-25 µs against compute 0-10 and 20-30: 20 busy, 10 exposed (10-20); an
     all-to-all 28-35: 7 busy, 5 exposed; per step (2 profiled steps halve every figure)."""
-    spec = importlib.util.spec_from_file_location("exposed_comm", SCRIPTS / "exposed_comm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("exposed_comm")
 
     def kernel(name: str, ts: float, dur: float) -> dict:
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
