@@ -60,11 +60,15 @@ def minus(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
     return out
 
 
-def analyse(trace: dict) -> dict[str, float]:
+def analyse(trace: object) -> dict[str, float]:
     """Per-step µs: each collective group's busy and exposed time, compute's busy time, and the
-    GPU span (first kernel start to last kernel end); ``steps``, the profiled steps counted."""
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    GPU span (first kernel start to last kernel end); ``steps``, the profiled steps counted.
+    A ``ValueError`` saying what is missing where ``trace`` is no profiler trace of a GPU run."""
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ValueError("not a chrome trace (no list of traceEvents)")
+    events = [e for e in events if isinstance(e, dict)]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e and "ts" in e]
     steps = sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
                 and e.get("ph") == "X")
     if not kernels or not steps:
@@ -106,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with open(path) as f:
                 rows[path] = analyse(json.load(f))
-        except (OSError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
+        except json.JSONDecodeError as e:
+            sys.exit(f"exposed_comm.py: {path}: not JSON ({e}): pass a trace that "
+                     "bench_pipeline.py --profile wrote")
+        except (OSError, ValueError) as e:
             sys.exit(f"exposed_comm.py: {path}: {e}")
     print(table(rows))
 

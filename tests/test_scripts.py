@@ -305,7 +305,10 @@ def test_exposed_comm_measures_what_no_compute_kernel_hides(tmp_path: Path) -> N
     events.append({**events[-1], "name": "ProfilerStep#7", "ts": 40})
     assert mod.analyse({"traceEvents": events})["all-reduce exposed"] == 5.0
     assert mod.minus([(0, 10), (20, 30)], [(5, 22), (25, 26)]) == [(0, 5), (22, 25), (26, 30)]
-    bad = tmp_path / "cpu-only.json"
-    bad.write_text(json.dumps({"traceEvents": events[-2:]}))
-    r = _run(str(SCRIPTS / "exposed_comm.py"), str(bad), compile=False)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "no GPU kernels" in r.stderr
+    for text, said in ((json.dumps({"traceEvents": events[-2:]}), "no GPU kernels"),  # CPU only
+                       ("[1, 2]", "no GPU kernels"), ("{}", "not a chrome trace"),
+                       ("{bad", "not JSON")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        r = _run(str(SCRIPTS / "exposed_comm.py"), str(bad), compile=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and said in r.stderr, r.stderr
