@@ -223,20 +223,24 @@ case "${1:-}" in
     done
     ;;
   overlap-table|overlap-checks) ;;
-  plane)  # 2 GPUs, issue 38: every plan on the memory-time plane, the anchors and recpipe on the
-    # large config, REPEATS (2) alternating runs each: 1 rank (GPU 0), then table-/column-wise and
-    # table-/row-wise on both GPUs (each stopping early enough for the next: 200 s kept per plan
-    # after it). Plot on any machine: scripts/plot_pareto.py plane-*.json --plot plane.png
+  plane)  # 2 GPUs, issue 38: every plan on the memory-time plane, large config: torchrec and
+    # recpipe in REPEATS (5) alternating runs, then Base and Lite once each (their memory does not
+    # vary run to run), for each of PLANES (1 rank on GPU 0, table-/column-wise and table-/row-wise
+    # on both GPUs; 280 s kept per later plan). Plot on any machine:
+    # scripts/plot_pareto.py plane-*.json --plot plane.png (merge each plan's -anchors.json first)
     [ "$ngpu" -ge 2 ] || { echo "gpu_checks.sh plane: needs 2 GPUs, found $ngpu" >&2; exit 2; }
-    kept=600
-    for plan in 1rank table_wise,column_wise table_wise,row_wise; do
-      kept=$(( kept - 200 )); nproc=2 shard=$plan gpus=0,1
+    planes=${PLANES:-1rank table_wise,column_wise table_wise,row_wise}
+    later=$(( $(wc -w <<<"$planes") * 280 ))
+    for plan in $planes; do
+      later=$(( later - 280 )); nproc=2 shard=$plan gpus=0,1 name=plane-${plan//,/+}
       [ "$plan" = 1rank ] && nproc=1 shard=table_wise,column_wise gpus=0
-      CUDA_VISIBLE_DEVICES=$gpus python3 scripts/bench_pipeline.py --nproc $nproc --config large \
-        --warmup 5 --steps 8 --distinct-batches 2 --repeats "${REPEATS:-2}" --sharding "$shard" \
-        --pipelines "$pipelines" --time-limit "$(left $kept)" \
-        --json "$out/plane-${plan//,/+}.json" 2>&1 | tee "$out/plane-${plan//,/+}.log" \
-        | grep -E "^  run|^\||vs|^###|time-limit|rror"
+      for set in "torchrec,recpipe ${REPEATS:-5} $(( later + 80 ))" "torchrec_base,torchrec_lite 1 $later"; do
+        read -r pl reps keep <<<"$set"; [ "$reps" = 1 ] && name=$name-anchors
+        CUDA_VISIBLE_DEVICES=$gpus python3 scripts/bench_pipeline.py --nproc $nproc --config large \
+          --warmup 5 --steps 8 --distinct-batches 2 --repeats "$reps" --sharding "$shard" \
+          --pipelines "$pl" --time-limit "$(left "$keep")" --json "$out/$name.json" 2>&1 \
+          | tee "$out/$name.log" | grep -E "^  run|^\||vs|^###|time-limit|rror"
+      done
     done
     ;;
   *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling|overlap[-table|-checks|-bench]|plane" >&2; exit 2 ;;
