@@ -232,7 +232,7 @@ case "${1:-}" in
     planes=${PLANES:-1rank table_wise,column_wise table_wise,row_wise}
     later=$(( $(wc -w <<<"$planes") * 280 ))
     for plan in $planes; do
-      later=$(( later - 280 )); nproc=2 shard=$plan gpus=0,1 name=plane-${plan//,/+}
+      later=$(( later - 280 )); nproc=2 shard=$plan gpus=0,1 name=plane-${plan//,/_}
       [ "$plan" = 1rank ] && nproc=1 shard=table_wise,column_wise gpus=0
       for set in "torchrec,recpipe ${REPEATS:-5} $(( later + 80 ))" "torchrec_base,torchrec_lite 1 $later"; do
         read -r pl reps keep <<<"$set"; [ "$reps" = 1 ] && name=$name-anchors
