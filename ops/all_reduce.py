@@ -218,6 +218,12 @@ def all_reduce_flat(
     chosen = _choose(nbytes, flat[0].dtype, flat[0].device.type, group.group_name, algorithm)
     if chosen == "two_shot" or (chosen == "one_shot" and not torch.compiler.is_compiling()):
         return torch.ops.recpipe.symm_all_reduce_copy(flat, group.group_name, chosen)
+    if chosen == "nccl" and not torch.compiler.is_compiling():
+        # c10d in place on a copy: a functional collective's wrapper tensor and its wait cost
+        # the host several times more per call
+        whole = torch.cat(flat)
+        dist.all_reduce(whole, group=group)
+        return whole
     whole = flat[0] if len(flat) == 1 else torch.cat(flat)
     if chosen == "nccl":
         return funcol.all_reduce(whole, "sum", group)

@@ -61,12 +61,13 @@ where the upper end of its latency ratio's 95% interval, or in a table without i
 P50 ratio, is below 1 by the table's margin);
 ``"symm_mem"``, symmetric memory for every bucket it can reduce. The latter two enable symmetric
 memory for the group when it can be used there (CUDA, an NCCL group, ``node_local``), lower the
-bucket cap as above, and compile each bucket's reduction with static shapes through
-:func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then allocates the bucket's flat
-gradient (the ``cat``, computed in the graph) in symmetric memory and reduces it there with no
-extra copy. Where symmetric memory cannot be used (CPU, a group across nodes), every bucket goes
-through NCCL (gloo on CPU), compiled only if ``compile=True``; ``"auto"`` also sends every bucket
-through NCCL where no table was measured for the GPU and world size.
+bucket cap as above, and compile the reduction of each bucket that goes through symmetric memory,
+with static shapes, through :func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then
+allocates the bucket's flat gradient (the ``cat``, computed in the graph) in symmetric memory and
+reduces it there with no extra copy. Where symmetric memory cannot be used (CPU, a group across
+nodes), every bucket goes through NCCL (gloo on CPU); ``"auto"`` also sends every bucket through
+NCCL where no table was measured for the GPU and world size. A bucket that goes through NCCL
+runs eagerly (c10d's ``all_reduce``), unless ``compile=True``.
 :meth:`BucketedAllReduce.plan` says what each bucket runs.
 """
 
@@ -140,9 +141,11 @@ class CommStream:
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], owner: "BucketedAllReduce", reduce: Reduce) -> None:
+    def __init__(self, params: list[nn.Parameter], owner: "BucketedAllReduce", algorithm: str,
+                 reduce: Reduce) -> None:
         self.params = params
         self.owner = owner
+        self.algorithm = algorithm  # what ``reduce`` is asked for: "nccl", "one_shot" or "two_shot"
         self.reduce = reduce
         self.ready = 0
         for p in params:
@@ -150,7 +153,7 @@ class _Bucket:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return _nbytes(self.params)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self.owner._backward_started()
@@ -165,7 +168,11 @@ class _Bucket:
         communication stream)."""
         owner = self.owner
         with torch.no_grad():
-            torch._foreach_copy_(grads, self.reduce(grads, owner._group, owner._bucket_algorithm))
+            torch._foreach_copy_(grads, self.reduce(grads, owner._group, self.algorithm))
+
+
+def _nbytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _buckets(
@@ -194,8 +201,8 @@ class BucketedAllReduce(DataParallelWrapper):
         bucket_cap_mb: bucket size (DDP's default is 25); with ``"auto"`` or ``"symm_mem"`` at
             most the largest bucket they reduce through symmetric memory, where they do (from
             the measured table).
-        compile: reduce each bucket through ``torch.compile(fullgraph=True)`` (always where
-            symmetric memory is on).
+        compile: reduce the buckets that go through NCCL through ``torch.compile(fullgraph=True)``
+            too (those that go through symmetric memory always are).
         reduce: the bucket reduction, :func:`mean_all_reduce` by default: new tensors (the
             means), computed on the current stream, which is the communication stream.
         algorithm: ``"nccl"``, ``"auto"`` or ``"symm_mem"`` (see the module docstring).
@@ -217,10 +224,6 @@ class BucketedAllReduce(DataParallelWrapper):
         if algorithm not in POLICIES:
             raise ValueError(f"BucketedAllReduce(algorithm={algorithm!r}): expected one of {POLICIES}")
         self.algorithm = algorithm
-        # what the buckets ask all_reduce_flat for: "nccl" where symmetric memory is off and the
-        # reduction runs eagerly, so that no bucket looks the choice up per call (compiled, the
-        # choice is a constant of the graph)
-        self._bucket_algorithm = algorithm
         self._cap = int(bucket_cap_mb * 2**20)
         self._compile = compile
         self._node_local = node_local
@@ -233,11 +236,7 @@ class BucketedAllReduce(DataParallelWrapper):
     def plan(self) -> list[tuple[int, str]]:
         """Per bucket, in reduction order: its bytes and the all-reduce :func:`mean_all_reduce`
         runs for it (``"nccl"``, ``"one_shot"`` or ``"two_shot"``). Empty before ``wrap``."""
-        return [
-            (b.nbytes, choose_algorithm(b.nbytes, b.params[0].dtype, b.params[0].device, self._group,
-                                        self.algorithm))
-            for b in self.buckets
-        ]
+        return [(b.nbytes, b.algorithm) for b in self.buckets]
 
     def _enable_symmetric_memory(self, group: dist.ProcessGroup, device: torch.device) -> bool:
         """Enable symmetric memory for ``group`` if ``algorithm`` may use it and it can run there;
@@ -257,13 +256,11 @@ class BucketedAllReduce(DataParallelWrapper):
         enable_symm_mem_for_group(group.group_name)
         return True
 
-    def _bucket_reduce(self, symmetric: bool) -> Reduce:
-        """The reduction of one bucket. Compiled: static shapes (symmetric buffers cannot have
+    def _compiled_reduce(self, symmetric: bool) -> Reduce:
+        """The compiled reduction of a bucket: static shapes (symmetric buffers cannot have
         dynamic ones), so one graph per bucket; dynamo keeps the graphs of one function
         together (over every wrapper in the process), so its recompile limit is raised for
         these calls: with ``fullgraph=True`` reaching it would be an error."""
-        if not (self._compile or symmetric):
-            return self._reduce
         if symmetric:
             compiled = compile_symmetric(self._reduce)
         else:
@@ -308,7 +305,6 @@ class BucketedAllReduce(DataParallelWrapper):
         if group is None:
             raise RuntimeError("BucketedAllReduce needs a ProcessGroup-based ShardingEnv")
         symmetric = self._enable_symmetric_memory(group, device)
-        self._bucket_algorithm = self.algorithm if symmetric or self._compile else "nccl"
         module = dmp._dmp_wrapped_module
         sharded = set(DistributedModelParallel._sharded_parameter_names(module))
         dense = [p for n, p in module.named_parameters() if n not in sharded and p.requires_grad]
@@ -322,5 +318,13 @@ class BucketedAllReduce(DataParallelWrapper):
         def cap(dtype: torch.dtype) -> int:  # the bucket cap, or the largest symmetric bucket
             return min(self._cap, symmetric_max_bytes(dtype, device, group, self.algorithm) or self._cap)
 
-        reduce = self._bucket_reduce(symmetric)
-        self.buckets = [_Bucket(b, self, reduce) for b in _buckets(dense, cap)]
+        # A bucket that goes through NCCL runs eagerly unless ``compile``: a compiled call costs
+        # the host more than the few kernels it queues (guards, the graph's wrappers), which a
+        # host-bound step pays per bucket.
+        compiled = self._compiled_reduce(symmetric) if symmetric or self._compile else None
+        self.buckets = []
+        for params in _buckets(dense, cap):
+            algorithm = choose_algorithm(_nbytes(params), params[0].dtype, device, group,
+                                         self.algorithm if symmetric else "nccl")
+            eager = algorithm == "nccl" and not self._compile
+            self.buckets.append(_Bucket(params, self, algorithm, self._reduce if eager else compiled))

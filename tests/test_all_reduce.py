@@ -42,18 +42,21 @@ def _sums(rank: int, world: int, device: torch.device) -> list[bool]:
     eager = all_reduce_sum(x, group)
     compiled = compile_symmetric(lambda a: all_reduce_sum(a * 2, group) / 2)(x)
     flat = compile_symmetric(lambda a: all_reduce_flat([a[:3], a[3:].t()], group))(x)
+    eager_flat = all_reduce_flat([x[:3], x[3:].t()], group)
+    expected_flat = torch.cat([expected[:3].reshape(-1), expected[3:].t().reshape(-1)])
     return [
         all(choose_algorithm(x.numel() * 4, x.dtype, device, group, r) == "nccl" for r in REQUESTS),
         torch.equal(torch.as_tensor(eager), expected),
         torch.equal(compiled, expected),
-        torch.equal(flat, torch.cat([expected[:3].reshape(-1), expected[3:].t().reshape(-1)])),
+        torch.equal(flat, expected_flat),
+        torch.equal(eager_flat, expected_flat),
         torch.equal(x, torch.arange(1000, dtype=torch.float32, device=device).view(10, 100) * (rank + 1)),
     ]
 
 
 @pytest.mark.skipif(GPU2, reason="the gloo path; GPUs take the symmetric one")
 def test_gloo_sums_eager_and_compiled() -> None:
-    assert run_ranks(2, _sums) == [[True] * 5] * 2
+    assert run_ranks(2, _sums) == [[True] * 6] * 2
 
 
 def _choose(nbytes: int, algorithm: str, dtype: torch.dtype = torch.bfloat16) -> str:

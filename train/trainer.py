@@ -316,7 +316,7 @@ class _Trainer:
             from recpipe.pipeline.data_parallel import BucketedAllReduce
 
             node_local = group_is_node_local(self.layout, dist.group.WORLD)
-            data_parallel = BucketedAllReduce(compile=True, algorithm=allreduce, node_local=node_local)
+            data_parallel = BucketedAllReduce(algorithm=allreduce, node_local=node_local)
         hw = cfg.hardware
         topology = planner_topology(self.layout, device, hw.intra_node_gb_s, hw.inter_node_gb_s)
         self.model, self.optimizer = build_sharded(
