@@ -22,6 +22,7 @@
 #        overlap-bench: DDP vs auto vs nccl all-reduce, dense_heavy then small (OVERLAP_CONFIGS),
 #        5 alternating runs each (those that fit before CALL_LIMIT: 200 s kept per later config)
 #   bash scripts/gpu_checks.sh plane      # 2 GPUs, issue 38: 1 rank, column- and row-wise, anchors
+#   bash scripts/gpu_checks.sh parity-repeat  # 2 GPUs: 200 consecutive row-wise parity runs
 # Run from the repo root with carry [".devenv", ".whl"]; it sources the kits itself.
 set -uo pipefail
 out=${OUT:-/tmp/recpipe-gpu}
@@ -243,5 +244,10 @@ case "${1:-}" in
       done
     done
     ;;
-  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling|overlap[-table|-checks|-bench]|plane" >&2; exit 2 ;;
+  parity-repeat)  # 2 GPUs, issue 38 point 3: PARITY_RUNS (200) consecutive 2-rank runs of the
+    # row-wise case, every CUDA default acting from the first batch, bit-identical to torchrec's
+    python3 scripts/parity_repeat.py --runs "${PARITY_RUNS:-200}" --time-limit "$(left 30)" 2>&1 \
+      | tee "$out/parity-repeat.log" | grep -E "^parity_repeat|rror"
+    ;;
+  *) echo "usage: bash scripts/gpu_checks.sh permute|pipeline[-checks|-bench|-shared]|allreduce[-checks|-bench|-profile]|train|multinode|scaling|overlap[-table|-checks|-bench]|plane|parity-repeat" >&2; exit 2 ;;
 esac
