@@ -113,8 +113,8 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     #: host time is worth. Then at world size 1 the pipeline runs torchrec's code path from the
     #: next batch on (``redirecting`` False; where the first batch's whole copy is below it, from
     #: that batch on: no first use of recpipe's kernels), and at world size > 1, where the
-    #: all-to-all outputs are high-water sized, the high-water sizes (of ``recat`` too, unless
-    #: set) and the permuted copy turn off. 0: always act.
+    #: all-to-all outputs are high-water sized, the high-water sizes, the permuted copy and,
+    #: unless ``recat`` is set, P2's placement turn off (torchrec's P2). 0: always act.
     min_batch_bytes: int = 64 * 2**20
 
     def __init__(
@@ -327,13 +327,14 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         """The first batch's P1 inputs took ``size`` bytes (after its input dist; before it, its
         whole copy, an upper bound: then that batch takes torchrec's path too). Below
         ``min_batch_bytes`` the next batches take torchrec's path at world size 1, and the
-        high-water sizes (P1, the all-to-all outputs, P2 unless set) and the permuted copy turn
-        off (``sizes=False``: no P1 ran, a later batch decides them). Batches in flight finish
-        what they started (side writes, ring slots and early frees are keyed by batch)."""
+        high-water sizes (P1, the all-to-all outputs), the permuted copy and P2's placement
+        (unless set) turn off (``sizes=False``: no P1 ran, a later batch decides them). Batches
+        in flight finish what they started (side writes, ring slots and early frees: by batch)."""
         pays = size >= self.min_batch_bytes
         if self._sizes_undecided and sizes:
             if not pays:
                 self._sent_sizes = self._received_sizes = self._permuted = None
+                self._redirect_dist_init &= self.memory_plan.recat is not None  # or torchrec's P2
                 self._dist_init_runner = self._recat_runner()
             self._sizes_undecided = False
         if self.redirecting is None:

@@ -8,6 +8,7 @@ ranks with ``RECPIPE_SHARED_GPU=1``: gloo).
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import nullcontext
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -29,6 +30,8 @@ from recpipe.testing.synthetic import ModelSpec, batches, build_sharded, shard
 
 STEPS = 16
 EMPTY_AT = 7  # one batch without any ids
+# consecutive runs of each CUDA-defaults case (scripts/gpu_checks.sh parity-repeat: 200)
+REPEATS = int(os.environ.get("RECPIPE_PARITY_REPEATS", "1"))
 # 2 ranks on GPUs: NCCL, or gloo with RECPIPE_SHARED_GPU=1 on one GPU (recpipe.testing.launch)
 GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
@@ -368,17 +371,45 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
     for rank, r in enumerate(results):
         assert len(r["torchrec"]) == STEPS, r
         assert r["recpipe"] == r["torchrec"], f"rank {rank}: losses differ"
-        # On CUDA the recat permute after the all-to-all runs in every 2-rank input dist (on
-        # CPU, with no streams, torchrec's runs); the feature-order permute stays torchrec's
-        # (its only reader is the all-to-all). On CUDA the first batch's copy is below
-        # min_batch_bytes, which turns the high-water sizes off before its input dist: no
-        # permute output and no all-to-all output is sized.
-        p2 = r["redirected"].get("dist_init", 0)
-        assert p2 >= STEPS if r["device"] == "cuda" else p2 == 0, r["redirected"]
+        # The first batch's copy is below min_batch_bytes: on CUDA that turns the high-water
+        # sizes and P2's placement off before its input dist (on CPU, with no streams, they are
+        # off anyway): no permute output and no all-to-all output is sized, P2 is torchrec's.
+        assert r["redirected"].get("dist_init", 0) == 0, r["redirected"]
         assert r["redirected"].get("input_dist", 0) == 0, r["redirected"]
         assert r["redirected"].get("outputs_sized", 0) == 0, r["redirected"]
         # what each batch's all-to-alls sent is given back a step early (all but the last batch)
         assert r["redirected"].get("released", 0) >= STEPS - 1, r["redirected"]
+
+
+class HighWaterPipeline(TrainPipelineSparseDist):
+    memory_plan = MemoryPlan(p1="high_water", received="high_water")  # CUDA's at world size > 1
+
+
+class RecatSetPipeline(TrainPipelineSparseDist):
+    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="exact")
+
+
+def _p2_below_min_batch_bytes(rank: int, world: int, device: torch.device) -> dict:
+    """Small batches, CUDA's defaults at world size 2 (P2's placement resolved as on CUDA):
+    per pipeline, bit-identical losses and the P2 calls redirected."""
+    from recpipe.pipeline import plan
+
+    default_recat = plan._default_recat
+    plan._default_recat = lambda facts, received: "exact" if facts.world > 1 else default_recat(facts, received)
+    try:
+        runs = {name: _train(rank, world, device, ["table_wise"], STEPS, cls)
+                for name, cls in (("default", HighWaterPipeline), ("set", RecatSetPipeline))}
+    finally:  # (the rank's process serves later tests)
+        plan._default_recat = default_recat
+    return {name: (r["recpipe"] == r["torchrec"], r["redirected"].get("dist_init", 0)) for name, r in runs.items()}
+
+
+def test_small_batches_take_torchrecs_p2_unless_recat_is_set() -> None:
+    """Below ``min_batch_bytes`` P2's default placement turns off with the high-water sizes
+    (its interception costs host time for little memory); a ``recat`` the user set stays."""
+    for r in run_ranks(2, _p2_below_min_batch_bytes):
+        assert r["default"] == (True, 0), r
+        assert r["set"][0] and r["set"][1] >= STEPS, r
 
 
 def test_feature_permute_ring_on_two_ranks_bit_identical() -> None:
@@ -414,13 +445,14 @@ def test_recat_ring_bit_identical_on_two_ranks() -> None:
 
 
 @pytest.mark.skipif(not GPU2, reason="the defaults below act on CUDA")
+@pytest.mark.parametrize("repeat", range(REPEATS))
 @pytest.mark.parametrize("sharding, ours", [
     ("mixed_tw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", ActOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", LateInputDistOnSmallBatchesPipeline),
     ("mixed_tw_rw_cw", RecatRingPipeline),
 ], ids=["tw_cw", "tw_rw_cw", "tw_rw_cw-after_forward", "tw_rw_cw-recat_ring"])
-def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, ours: type) -> None:
+def test_cuda_defaults_on_every_batch_bit_identical_on_two_ranks(sharding: str, ours: type, repeat: int) -> None:
     """Every default placement acting from the first batch (``min_batch_bytes = 0``): on CUDA at
     world size 2 that is the permuted copy (row-wise plans too), high-water sizes for P1 and
     the all-to-all outputs, and with row-wise tables for P2's outputs; with row-wise tables

@@ -313,11 +313,3 @@ def test_exposed_comm_measures_what_no_compute_kernel_hides(tmp_path: Path) -> N
         r = _run(str(SCRIPTS / "exposed_comm.py"), str(bad), compile=False)
         assert r.returncode == 1 and "Traceback" not in r.stderr and said in r.stderr, r.stderr
 
-
-def test_parity_repeat_counts_its_runs_and_names_a_bad_count() -> None:
-    """One run on CPU (2 gloo ranks), bit-identical; ``--runs 0`` is a usage error."""
-    r = _run(str(SCRIPTS / "parity_repeat.py"), "--runs", "1")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "parity_repeat: 1 of 1 consecutive runs bit-identical (mixed_tw_cw" in r.stdout
-    bad = _run(str(SCRIPTS / "parity_repeat.py"), "--runs", "0")
-    assert bad.returncode == 2 and "--runs takes a count >= 1" in bad.stderr
