@@ -19,7 +19,8 @@ The algorithm is chosen on the host, per call, from the bytes, dtype, device and
 Symmetric memory can run on CUDA, for fp32/bf16 all-reduces of a multiple of 4 bytes, in an
 NCCL group that has symmetric memory enabled (``enable_symm_mem_for_group``: whoever enables
 it vouches that the group is on one host, as ``recpipe.pipeline`` does); anything else is NCCL
-(``funcol.all_reduce``: gloo on CPU). The symmetric path is two custom ops:
+(gloo on CPU): c10d's ``all_reduce`` on a copy when called eagerly, ``funcol.all_reduce`` when
+traced. The symmetric path is two custom ops:
 
 - ``recpipe::symm_all_reduce(Tensor input, str group_name) -> Tensor``: ``input`` must be 1-D
   symmetric memory; the one-shot kernel (every rank reads every peer's buffer; ``input`` is

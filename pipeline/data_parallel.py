@@ -42,9 +42,9 @@ Streams and ownership (CUDA):
   read it. No ``record_stream``: the caching allocator would have to query an event at each such
   free, and would hold the blocks back from main's pool until then.
 - the bucket's flat gradient, the reduced sum and the divided means are allocated on the
-  communication stream and used only there (NCCL's own stream, where the NCCL path runs, waits
-  for it and is waited by it: c10d holds its input until then); dropped when the work returns,
-  their memory is reused only by later work on the same stream, in stream order.
+  communication stream and used only there (the NCCL path's c10d call is synchronous, so
+  ordered on that stream); dropped when the work returns, their memory is reused only by later
+  work on the same stream, in stream order.
 - the symmetric-memory paths run on the communication stream too: inductor's symmetric buffer of
   each compiled graph, and :func:`~recpipe.ops.all_reduce.symmetric_buffer`, are reused by the
   next call on that stream, in stream order.
@@ -93,7 +93,8 @@ from recpipe.ops.all_reduce import (
 
 log = logging.getLogger(__name__)
 
-#: ``reduce(grads, group, algorithm)``: ``algorithm`` is the wrapper's, one of ``POLICIES``
+#: ``reduce(grads, group, algorithm)``: ``algorithm`` is the bucket's: ``"nccl"``, ``"one_shot"``
+#: or ``"two_shot"`` (:meth:`BucketedAllReduce.plan`)
 Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup, str], list[torch.Tensor]]
 _RECOMPILE_LIMIT = 1024  # graphs of the reduction per process: one per bucket shape
 

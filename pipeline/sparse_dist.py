@@ -346,7 +346,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         """P2's runner for ``recat`` in main's pool: buffers sized to their site's high-water
         mark where the plan says (by default with row-wise tables, while the all-to-all outputs
         are sized), else exact (main's pool shares P2's blocks with the activations). Unused
-        with ``"ring"`` (a runner per batch) and ``"torchrec"`` (P2 not intercepted)."""
+        with ``"ring"`` (a runner per batch), ``"torchrec"`` and once P2's placement is off."""
         chosen = self.memory_plan.recat is not None or self._received_sizes is not None
         sized = self.plan.recat == "high_water" and chosen and self._redirect_dist_init
         alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate

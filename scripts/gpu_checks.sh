@@ -227,16 +227,17 @@ case "${1:-}" in
   plane)  # 2 GPUs, issue 38: every plan on the memory-time plane, large config: torchrec and
     # recpipe in REPEATS (5) alternating runs, then Base and Lite once each (their memory does not
     # vary run to run), for each of PLANES (1 rank on GPU 0, table-/column-wise and table-/row-wise
-    # on both GPUs; 280 s kept per later plan). Plot on any machine:
+    # on both GPUs; each plan gets an equal share of CALL_LIMIT: 5 runs of a pair take ~280 s, so
+    # give one plan per call). Plot on any machine:
     # scripts/plot_pareto.py plane-*.json --plot plane.png (merge each plan's -anchors.json first)
     [ "$ngpu" -ge 2 ] || { echo "gpu_checks.sh plane: needs 2 GPUs, found $ngpu" >&2; exit 2; }
     planes=${PLANES:-1rank table_wise,column_wise table_wise,row_wise}
-    later=$(( $(wc -w <<<"$planes") * 280 ))
+    share=$(( ${CALL_LIMIT:-570} / $(wc -w <<<"$planes") )) later=${CALL_LIMIT:-570}
     for plan in $planes; do
-      later=$(( later - 280 )); nproc=2 shard=$plan gpus=0,1 name=plane-${plan//,/_}
+      later=$(( later - share )); nproc=2 shard=$plan gpus=0,1 name=plane-${plan//,/_}
       [ "$plan" = 1rank ] && nproc=1 shard=table_wise,column_wise gpus=0
-      for set in "torchrec,recpipe ${REPEATS:-5} $(( later + 80 ))" "torchrec_base,torchrec_lite 1 $later"; do
-        read -r pl reps keep <<<"$set"; [ "$reps" = 1 ] && name=$name-anchors
+      for set in "torchrec,recpipe ${REPEATS:-5} $(( later + 60 ))" "torchrec_base,torchrec_lite 1 $later"; do
+        read -r pl reps keep <<<"$set"; [ "$pl" = torchrec_base,torchrec_lite ] && name=$name-anchors
         CUDA_VISIBLE_DEVICES=$gpus python3 scripts/bench_pipeline.py --nproc $nproc --config large \
           --warmup 5 --steps 8 --distinct-batches 2 --repeats "$reps" --sharding "$shard" \
           --pipelines "$pl" --time-limit "$(left "$keep")" --json "$out/$name.json" 2>&1 \

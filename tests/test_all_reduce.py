@@ -1,7 +1,7 @@
 """recpipe.ops.all_reduce: numerics of every path, the host-side choice, and where the symmetric
 buffers come from.
 
-CPU (CI): 2 gloo ranks, the functional-collective path, eager and compiled; the choice on fake
+CPU (CI): 2 gloo ranks, the NCCL path (gloo), eager (c10d) and compiled (functional collectives); the choice on fake
 groups and tables; the lowering with CPU stand-ins for the kernels. 2+ GPUs: NCCL ranks with
 symmetric memory: results equal NCCL's; the generated code reduces a computed one-shot input in
 the symmetric buffer its producer wrote (no copy), and a graph input or a two-shot input through

@@ -45,6 +45,7 @@ def _train(rank: int, world: int, device: torch.device, variant: str) -> tuple[l
         # Fewer graphs than buckets allowed per function by default: the wrapper must cope.
         torch._dynamo.config.recompile_limit = 2
     counters.clear()
+    torch._dynamo.reset()  # no graph of an earlier variant: identical guards would reuse it
     pipeline = TrainPipelineSparseDist(model, optimizer, device)
     it = batches(spec, STEPS, rank, seed=3)
     losses = [pipeline.progress(it)[0].item() for _ in range(STEPS)]

@@ -62,10 +62,10 @@ def test_profile_host_compares_two_pipelines() -> None:
 
 def test_bench_pipeline_runs_the_anchors_and_a_dense_allreduce_variant(tmp_path: Path) -> None:
     """Two anchors (torchrec's SparseDist and SparseDistLite; Base is built as SparseDist is)
-    and recpipe with its compiled dense all-reduce run side by side; their runs make the
+    and recpipe with its bucketed dense all-reduce run side by side; their runs make the
     memory-time plane (plot_pareto.py).
     (The other all-reduce variants differ only in BucketedAllReduce's arguments, which
-    test_data_parallel.py and test_all_reduce.py cover, compiled.)"""
+    test_data_parallel.py and test_all_reduce.py cover, eager and compiled.)"""
     out = tmp_path / "r.json"
     names = ["torchrec", "torchrec_lite", "recpipe_nccl_ar"]
     r = _run(str(SCRIPTS / "bench_pipeline.py"), "--config=tiny", "--nproc=1", "--repeats=1",
@@ -312,4 +312,3 @@ def test_exposed_comm_measures_what_no_compute_kernel_hides(tmp_path: Path) -> N
         bad.write_text(text)
         r = _run(str(SCRIPTS / "exposed_comm.py"), str(bad), compile=False)
         assert r.returncode == 1 and "Traceback" not in r.stderr and said in r.stderr, r.stderr
-
