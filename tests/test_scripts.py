@@ -218,7 +218,7 @@ def test_bench_allreduce_prints_a_row_per_variant(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [x["variant"] for x in rows] == ["nccl", "compiled"] and rows[0]["vs_nccl"] == 1.0
+    assert [x["variant"] for x in rows] == ["nccl", "auto"] and rows[0]["vs_nccl"] == 1.0
     # what --table-from needs besides the rows (NCCL's version on CUDA alone)
     assert result["device"] == "cpu" and result["iters"] == 2 and result["torch"] and "nccl" not in result
 
