@@ -181,10 +181,10 @@ def test_bench_rows_make_the_table(bench: object) -> None:
     """``--write-table``: one-shot is the slower of its eager (copy) and compiled (in place) runs,
     with the interval whose upper end is higher."""
     p50 = {"nccl": [10, 20], "symm_one_shot": [6, 30], "compiled_one_shot": [7, 25],
-           "symm_two_shot": [8, 12], "compiled": [7, 12]}
+           "symm_two_shot": [8, 12], "auto": [7, 12]}
     ci = {"nccl": [[1, 1]] * 2, "symm_one_shot": [[0.5, 0.7], [1.4, 1.6]],
           "compiled_one_shot": [[0.6, 0.8], [1.2, 1.3]], "symm_two_shot": [[0.7, 0.9], [0.5, 0.7]],
-          "compiled": [[0.6, 0.8], [0.5, 0.7]]}
+          "auto": [[0.6, 0.8], [0.5, 0.7]]}
     records = [dict(dtype="bfloat16", bytes=n, variant=v, p50_us=us[i], ratio_ci95=ci[v][i])
                for i, n in enumerate([2 * K, K]) for v, us in p50.items()]
     table = bench.latency_table(records, H200, calls=200)
@@ -203,7 +203,7 @@ def test_table_from_json_takes_the_files_machine_and_says_what_is_missing(
     records = [dict(dtype="bfloat16", bytes=K, variant=v, p50_us=us, ratio_ci95=ci)
                for v, us, ci in [("nccl", 10, [1, 1]), ("symm_one_shot", 6, [0.5, 0.7]),
                                  ("compiled_one_shot", 7, [0.6, 0.8]), ("symm_two_shot", 8, [0.7, 0.9]),
-                                 ("compiled", 7, [0.6, 0.8])]]
+                                 ("auto", 7, [0.6, 0.8])]]
     old = {"world": 2, "device": "NVIDIA H200", "rows": records}
     new = {**old, "torch": H200.torch, "nccl": H200.nccl, "iters": 50}
     expected = bench.latency_table(records, H200, calls=50)
@@ -245,7 +245,7 @@ def test_median_interval_is_the_order_statistics_around_the_median(bench: object
 
 def test_auto_verdict_names_a_loss_and_a_missed_win(bench: object) -> None:
     def row(nbytes: int, ratio: float, lo: float, hi: float) -> dict:
-        return dict(dtype="bfloat16", bytes=nbytes, variant="compiled", ratio=ratio, ratio_ci95=[lo, hi])
+        return dict(dtype="bfloat16", bytes=nbytes, variant="auto", ratio=ratio, ratio_ci95=[lo, hi])
 
     records = [row(4 * K, 1.01, 0.98, 1.04), row(M, 1.05, 1.02, 1.08), row(4 * M, 0.8, 0.78, 0.83),
                row(8 * M, 0.84, 0.8, 0.9), dict(row(K, 2, 2, 2), variant="nccl")]
