@@ -31,7 +31,10 @@ from recpipe.testing.synthetic import ModelSpec, batches, build_sharded, shard
 STEPS = 16
 EMPTY_AT = 7  # one batch without any ids
 # consecutive runs of each CUDA-defaults case (scripts/gpu_checks.sh parity-repeat: 200)
-REPEATS = int(os.environ.get("RECPIPE_PARITY_REPEATS", "1"))
+_repeats = os.environ.get("RECPIPE_PARITY_REPEATS", "1")
+if not _repeats.isdigit() or int(_repeats) < 1:
+    raise pytest.UsageError(f"RECPIPE_PARITY_REPEATS={_repeats!r}: give a count >= 1 (runs of each case)")
+REPEATS = int(_repeats)
 # 2 ranks on GPUs: NCCL, or gloo with RECPIPE_SHARED_GPU=1 on one GPU (recpipe.testing.launch)
 GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
