@@ -214,21 +214,29 @@ def all_reduce_flat(
     concatenated: a new 1-D tensor. ``algorithm``: one of ``REQUESTS``. Runs on the current
     stream; every rank must call it with the same shapes and dtype. Traceable
     (``fullgraph=True``)."""
+    eager = not torch.compiler.is_compiling()
+    if algorithm == "nccl" and eager:  # (a bucket's choice, made once: no per-call Python)
+        return _c10d_sum(tensors, group)
     flat = [t.reshape(-1) for t in tensors]
     nbytes = sum(t.numel() for t in flat) * flat[0].element_size()
     chosen = _choose(nbytes, flat[0].dtype, flat[0].device.type, group.group_name, algorithm)
-    if chosen == "two_shot" or (chosen == "one_shot" and not torch.compiler.is_compiling()):
+    if chosen == "two_shot" or (chosen == "one_shot" and eager):
         return torch.ops.recpipe.symm_all_reduce_copy(flat, group.group_name, chosen)
-    if chosen == "nccl" and not torch.compiler.is_compiling():
-        # c10d in place on a copy: a functional collective's wrapper tensor and its wait cost
-        # the host several times more per call
-        whole = torch.cat(flat)
-        dist.all_reduce(whole, group=group)
-        return whole
+    if chosen == "nccl" and eager:
+        return _c10d_sum(flat, group)
     whole = flat[0] if len(flat) == 1 else torch.cat(flat)
     if chosen == "nccl":
         return funcol.all_reduce(whole, "sum", group)
     return torch.ops.recpipe.symm_all_reduce(whole, group.group_name)  # compiled one-shot: lowered
+
+
+def _c10d_sum(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+    """Eager NCCL (gloo on CPU): c10d's in-place all-reduce on a flat copy of ``tensors``. A
+    functional collective's wrapper tensor and its wait cost the host several times more per
+    call."""
+    whole = torch.cat([t.reshape(-1) for t in tensors])  # (a copy, even of one tensor)
+    dist.all_reduce(whole, group=group)
+    return whole
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, algorithm: str = "auto") -> torch.Tensor:

@@ -9,13 +9,14 @@ registration order (about the order backward produces their grads), up to the bu
 (:class:`BucketedAllReduce`'s ``bucket_cap_mb``, lowered by ``"auto"`` and ``"symm_mem"`` to the
 largest size they reduce through symmetric memory, from the machine's measured table).
 Consecutive grads are packed up to the cap, so where the grads are small next to it the buckets
-come near it, where the table shows symmetric memory winning. A gradient larger than the cap is
-a bucket of its own (NCCL's range; the small grads before it, such as its layer's bias, make
-another). It is not split into symmetric-size pieces: they would all land at once (no earlier
-start), and NCCL's cost per byte at large sizes is below two-shot's at the cap
-(docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is left at the
-end (the first layers' grads, which backward produces last) is the last bucket: the only
-reduction that cannot overlap backward.
+come near it, where the table shows symmetric memory winning. A gradient of at least the cap
+closes the bucket being filled, with the grads before it (NCCL's range), as DDP's buckets do:
+those grads, such as its layer's bias, land with it, so a bucket of their own would start no
+earlier and cost the host a reduction more per step. It is not split into symmetric-size
+pieces: they would all land at once (no earlier start), and NCCL's cost per byte at large sizes
+is below two-shot's at the cap (docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is
+left at the end (the first layers' grads, which backward produces last) is the last bucket: the
+only reduction that cannot overlap backward.
 
 Overlap. A ``post_accumulate_grad`` hook counts the bucket's ready grads. When its last one
 lands, the bucket's reduction is queued on the wrapper's :class:`CommStream`: on CUDA a
@@ -80,6 +81,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
@@ -105,8 +107,8 @@ def mean_all_reduce(
     """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
     flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`), on
     the current stream. Traceable by torch.compile."""
-    flat = all_reduce_flat(grads, group, algorithm) / dist.get_world_size(group)
-    return [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
+    flat = all_reduce_flat(grads, group, algorithm) / group.size()
+    return _unflatten_dense_tensors(flat, grads)  # views of ``flat`` (C++: no per-grad Python)
 
 
 class CommStream:
@@ -179,15 +181,14 @@ def _nbytes(params: list[nn.Parameter]) -> int:
 def _buckets(
     params: list[nn.Parameter], cap_bytes: Callable[[torch.dtype], int],
 ) -> list[list[nn.Parameter]]:
-    """Consecutive groups of one dtype and device, each up to ``cap_bytes(dtype)`` (or one
-    tensor)."""
+    """Consecutive groups of one dtype and device, each up to ``cap_bytes(dtype)``, except that
+    a tensor of at least the cap closes the group being filled (with the tensors before it)."""
     out: list[list[nn.Parameter]] = []
     size = 0
     for p in reversed(params):  # backward produces the last layers' grads first
-        nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > cap_bytes(p.dtype) or (out[-1][0].dtype, out[-1][0].device) != (
-            p.dtype, p.device,
-        ):
+        nbytes, cap = p.numel() * p.element_size(), cap_bytes(p.dtype)
+        if not out or size >= cap or (size + nbytes > cap and nbytes < cap) or (
+                out[-1][0].dtype, out[-1][0].device) != (p.dtype, p.device):
             out.append([])
             size = 0
         out[-1].append(p)

@@ -29,11 +29,11 @@ def _train(rank: int, world: int, device: torch.device, variant: str) -> tuple[l
     algorithms per bucket."""
     wrapper = {
         "ddp": None,
-        "bucketed": BucketedAllReduce(bucket_cap_mb=0.01),  # several buckets
-        "bucketed_compiled": BucketedAllReduce(bucket_cap_mb=0.01, compile=True),
-        "symm_mem": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="symm_mem"),
-        "auto": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto"),  # on CPU: gloo
-        "auto_across_nodes": BucketedAllReduce(bucket_cap_mb=0.01, algorithm="auto", node_local=False),
+        "bucketed": BucketedAllReduce(bucket_cap_mb=2e-4),  # 209 bytes: 4 buckets
+        "bucketed_compiled": BucketedAllReduce(bucket_cap_mb=2e-4, compile=True),
+        "symm_mem": BucketedAllReduce(bucket_cap_mb=2e-4, algorithm="symm_mem"),
+        "auto": BucketedAllReduce(bucket_cap_mb=2e-4, algorithm="auto"),  # on CPU: gloo
+        "auto_across_nodes": BucketedAllReduce(bucket_cap_mb=2e-4, algorithm="auto", node_local=False),
     }[variant]
     spec = ModelSpec()
     model, optimizer = build_sharded(
@@ -83,6 +83,10 @@ def test_buckets_split_by_size_and_dtype() -> None:
            (4, torch.float64)]]
     groups = _buckets(ps, cap_bytes=lambda dtype: 1000 if dtype == torch.float32 else 40)
     assert [[p.numel() for p in g] for g in groups] == [[4], [4], [300], [10, 10]]
+    # a tensor of at least the cap closes the bucket being filled, with the tensors before it
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (300, 10, 10, 300, 10)]
+    groups = _buckets(ps, cap_bytes=lambda dtype: 1000)
+    assert [[p.numel() for p in g] for g in groups] == [[10, 300], [10, 10, 300]]
 
 
 def test_unused_parameter_is_an_error() -> None:
@@ -103,7 +107,7 @@ def test_compiled_buckets_never_recompile(local_group: dist.ProcessGroup) -> Non
     step 3 fails. A bucket of a new shape does add a graph (the count would see one)."""
     torch._dynamo.reset()  # no graph of an earlier test in this process
     spec = ModelSpec(weighted=False, sequence=False)
-    wrapper = BucketedAllReduce(bucket_cap_mb=0.01, compile=True)  # 3 buckets
+    wrapper = BucketedAllReduce(bucket_cap_mb=2e-4, compile=True)  # 209 bytes: 4 buckets
     device = torch.device("cpu")
     model, optimizer = build_sharded(spec, ["table_wise"], device, local_group, data_parallel=wrapper)
     assert len(wrapper.buckets) > 1 and wrapper.plan() == [(b.nbytes, "nccl") for b in wrapper.buckets]
