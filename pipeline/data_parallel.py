@@ -9,11 +9,11 @@ registration order (about the order backward produces their grads), up to the bu
 (:class:`BucketedAllReduce`'s ``bucket_cap_mb``, lowered by ``"auto"`` and ``"symm_mem"`` to the
 largest size they reduce through symmetric memory, from the machine's measured table).
 Consecutive grads are packed up to the cap, so where the grads are small next to it the buckets
-come near it, where the table shows symmetric memory winning. A gradient of at least the cap
-closes the bucket being filled, with the grads before it (NCCL's range), as DDP's buckets do:
-those grads, such as its layer's bias, land with it, so a bucket of their own would start no
-earlier and cost the host a reduction more per step. It is not split into symmetric-size
-pieces: they would all land at once (no earlier start), and NCCL's cost per byte at large sizes
+come near it, where the table shows symmetric memory winning. A gradient larger than the cap
+closes the bucket being filled, with the grads before it (NCCL's range), as DDP's buckets do: a
+reduction less per step, which a host-bound step pays in Python, for a later start of those
+grads (its layer's bias lands with it; a smaller layer's grads, one layer earlier). It is not
+split into symmetric-size pieces: they would all land at once (no earlier start), and NCCL's cost per byte at large sizes
 is below two-shot's at the cap (docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is
 left at the end (the first layers' grads, which backward produces last) is the last bucket: the
 only reduction that cannot overlap backward.
@@ -182,13 +182,13 @@ def _buckets(
     params: list[nn.Parameter], cap_bytes: Callable[[torch.dtype], int],
 ) -> list[list[nn.Parameter]]:
     """Consecutive groups of one dtype and device, each up to ``cap_bytes(dtype)``, except that
-    a tensor of at least the cap closes the group being filled (with the tensors before it)."""
+    a tensor larger than its cap closes the group being filled, with the tensors before it."""
     out: list[list[nn.Parameter]] = []
     size = 0
     for p in reversed(params):  # backward produces the last layers' grads first
         nbytes, cap = p.numel() * p.element_size(), cap_bytes(p.dtype)
-        if not out or size >= cap or (size + nbytes > cap and nbytes < cap) or (
-                out[-1][0].dtype, out[-1][0].device) != (p.dtype, p.device):
+        same = bool(out) and (out[-1][0].dtype, out[-1][0].device) == (p.dtype, p.device)
+        if not same or (size + nbytes > cap and not size < cap < nbytes):
             out.append([])
             size = 0
         out[-1].append(p)

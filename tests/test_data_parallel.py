@@ -83,10 +83,11 @@ def test_buckets_split_by_size_and_dtype() -> None:
            (4, torch.float64)]]
     groups = _buckets(ps, cap_bytes=lambda dtype: 1000 if dtype == torch.float32 else 40)
     assert [[p.numel() for p in g] for g in groups] == [[4], [4], [300], [10, 10]]
-    # a tensor of at least the cap closes the bucket being filled, with the tensors before it
-    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (300, 10, 10, 300, 10)]
+    # a tensor larger than the cap closes the bucket being filled, with the tensors before it;
+    # one of exactly the cap does not
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (300, 10, 10, 300, 10, 250, 10)]
     groups = _buckets(ps, cap_bytes=lambda dtype: 1000)
-    assert [[p.numel() for p in g] for g in groups] == [[10, 300], [10, 10, 300]]
+    assert [[p.numel() for p in g] for g in groups] == [[10], [250], [10, 300], [10, 10, 300]]
 
 
 def test_unused_parameter_is_an_error() -> None:
