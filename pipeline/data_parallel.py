@@ -10,13 +10,14 @@ registration order (about the order backward produces their grads), up to the bu
 largest size they reduce through symmetric memory, from the machine's measured table).
 Consecutive grads are packed up to the cap, so where the grads are small next to it the buckets
 come near it, where the table shows symmetric memory winning. A gradient larger than the cap
-closes the bucket being filled, with the grads before it (NCCL's range), as DDP's buckets do: a
-reduction less per step, which a host-bound step pays in Python, for a later start of those
-grads (its layer's bias lands with it; a smaller layer's grads, one layer earlier). It is not
-split into symmetric-size pieces: they would all land at once (no earlier start), and NCCL's cost per byte at large sizes
-is below two-shot's at the cap (docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is
-left at the end (the first layers' grads, which backward produces last) is the last bucket: the
-only reduction that cannot overlap backward.
+closes the bucket being filled, with the grads before it (NCCL's range), much as DDP's buckets
+do: a reduction less per step, which a host-bound step pays in Python, for a later start of
+those grads (its layer's bias lands with it; a smaller layer's grads, one layer earlier). It is
+not split into symmetric-size pieces: they would all land at once (no earlier start), and
+NCCL's cost per byte at large sizes is below two-shot's at the cap
+(docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is left at the end (the first
+layers' grads, which backward produces last) is the last bucket: the only reduction that cannot
+overlap backward.
 
 Overlap. A ``post_accumulate_grad`` hook counts the bucket's ready grads. When its last one
 lands, the bucket's reduction is queued on the wrapper's :class:`CommStream`: on CUDA a
@@ -108,7 +109,7 @@ def mean_all_reduce(
     flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`), on
     the current stream. Traceable by torch.compile."""
     flat = all_reduce_flat(grads, group, algorithm) / group.size()
-    return _unflatten_dense_tensors(flat, grads)  # views of ``flat`` (C++: no per-grad Python)
+    return _unflatten_dense_tensors(flat, grads)  # grads' shapes (C++: no per-grad Python)
 
 
 class CommStream:
