@@ -245,10 +245,12 @@ case "${1:-}" in
       done
     done
     ;;
-  parity-repeat)  # 2 GPUs, issue 38 point 3: PARITY_RUNS (200) consecutive 2-rank runs of the
-    # row-wise case, every CUDA default acting from the first batch, bit-identical to torchrec's;
-    # stops at the first difference (a run cut by CALL_LIMIT: the dots say how many passed)
+  parity-repeat)  # 2 GPUs, issue 38 point 3: PARITY_RUNS (200) 2-rank runs of the row-wise
+    # case, every CUDA default acting from the first batch, bit-identical to torchrec's,
+    # PARITY_WORKERS (4) at a time (one run alone takes ~5 s); stops at the first difference (a
+    # run cut by CALL_LIMIT: the dots say how many passed)
     RECPIPE_PARITY_REPEATS=${PARITY_RUNS:-200} timeout "$(left 20)" python3 -m pytest -x -q -p no:cacheprovider \
+      -n "${PARITY_WORKERS:-4}" \
       tests/test_pipeline_parity.py -k "cuda_defaults_on_every_batch and tw_rw_cw- and not after_forward and not recat_ring" \
       2>&1 | tee "$out/parity-repeat.log" | tail -3
     echo "parity-repeat: $(head -c 100000 "$out/parity-repeat.log" | grep -o '^[.F]*' | tr -d '\n' | tr -cd . | wc -c) runs passed"
