@@ -108,7 +108,10 @@ def mean_all_reduce(
     """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
     flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`), on
     the current stream. Traceable by torch.compile."""
-    flat = all_reduce_flat(grads, group, algorithm) / group.size()
+    flat = all_reduce_flat(grads, group, algorithm)
+    # eagerly ``flat`` is a new tensor of this call's own: divided in place, no second
+    # bucket-sized tensor per step (traced, inductor fuses the division)
+    flat = flat / group.size() if torch.compiler.is_compiling() else flat.div_(group.size())
     return _unflatten_dense_tensors(flat, grads)  # grads' shapes (C++: no per-grad Python)
 
 
