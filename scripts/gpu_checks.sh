@@ -227,7 +227,7 @@ case "${1:-}" in
   plane)  # 2 GPUs, issue 38: every plan on the memory-time plane, large config: torchrec and
     # recpipe in REPEATS (5) alternating runs, then Base and Lite once each (their memory does not
     # vary run to run), for each of PLANES (1 rank on GPU 0, table-/column-wise and table-/row-wise
-    # on both GPUs; each plan gets an equal share of CALL_LIMIT: 5 runs of a pair take ~280 s, so
+    # on both GPUs; each plan gets an equal share of CALL_LIMIT, less than 5 runs of a pair need, so
     # give one plan per call). Plot on any machine:
     # scripts/plot_pareto.py plane-*.json --plot plane.png (merge each plan's -anchors.json first)
     [ "$ngpu" -ge 2 ] || { echo "gpu_checks.sh plane: needs 2 GPUs, found $ngpu" >&2; exit 2; }
@@ -247,8 +247,9 @@ case "${1:-}" in
     ;;
   parity-repeat)  # 2 GPUs, issue 38 point 3: PARITY_RUNS (200) 2-rank runs of the row-wise
     # case, every CUDA default acting from the first batch, bit-identical to torchrec's,
-    # PARITY_WORKERS (4) at a time (one run alone takes ~5 s); stops at the first difference (a
-    # run cut by CALL_LIMIT: the dots say how many passed)
+    # PARITY_WORKERS (4) at a time (one at a time, 200 fill half a session's device time,
+    # docs/results/parity-sanitizer_2xH200_2026-11-28.md); stops at the first difference (a run
+    # cut by CALL_LIMIT: the dots say how many passed)
     RECPIPE_PARITY_REPEATS=${PARITY_RUNS:-200} timeout "$(left 20)" python3 -m pytest -x -q -p no:cacheprovider \
       -n "${PARITY_WORKERS:-4}" \
       tests/test_pipeline_parity.py -k "cuda_defaults_on_every_batch and tw_rw_cw- and not after_forward and not recat_ring" \
