@@ -57,12 +57,15 @@ case "${1:-}" in
     [ "$ngpu" -eq 1 ] && csan_pipelines="torchrec recpipe_always recpipe_ring"
     [ "$ngpu" -ge 2 ] && csan_pipelines="$csan_pipelines recpipe_always_dist_after_forward" \
       csan_plans="table_wise,column_wise table_wise,row_wise"
+    # (scripts/csan: zero-size tensors left out, which the sanitizer keys by reusable Python ids)
     for plan in $csan_plans; do
       for p in $csan_pipelines; do
-        TORCH_CUDA_SANITIZER=1 python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
+        CSAN_NULL=skip PYTHONPATH="$PWD/scripts/csan:$PYTHONPATH" TORCH_CUDA_SANITIZER=1 \
+          python3 scripts/bench_pipeline.py --config tiny --repeats 1 \
           --warmup 2 --steps 8 --sharding "$plan" --pipelines "$p" >"$out/csan-$plan-$p.log" 2>&1
         echo "sanitizer $plan $p: rc=$? reports=$(grep -ci 'data race' "$out/csan-$plan-$p.log")" \
-          "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan-$plan-$p.log")"
+          "enabled=$(grep -c 'TORCH_CUDA_SANITIZER=1' "$out/csan-$plan-$p.log")" \
+          "left out: $(grep -o 'skipped [0-9]* null' "$out/csan-$plan-$p.log" | tr '\n' ' ')"
       done
     done
     # bit-identity at the large size needs deterministic kernels (fbgemm's TBE backward)

@@ -101,6 +101,26 @@ def test_bench_pipeline_leaves_the_cuda_trace_off() -> None:
     assert r.stdout.split() == ["False", "False"]
 
 
+def _csan(mode: str) -> subprocess.CompletedProcess:
+    code = ("import torch.cuda._sanitizer as s\n"
+            "print(s.ArgumentHandler._handle_argument.__name__, s.EventHandler._handle_kernel_launch.__name__)")
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "CSAN_NULL": mode,
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "csan"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_csan_sitecustomize_wraps_the_sanitizer_or_names_the_fix() -> None:
+    """scripts/csan: under the sanitizer, its handlers wrap torch's (the wrapped names stay as
+    long as torch's do, so a torch that renames them fails here, not on the GPU); a bad mode is
+    one line."""
+    r = _csan("skip")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["_argument", "_kernel_launch"]
+    assert "CSAN_NULL=skip pid" in r.stderr and "skipped 0 null-pointer" in r.stderr
+    r = _csan("keep")
+    assert r.returncode == 2 and r.stderr.strip() == "CSAN_NULL=keep: use CSAN_NULL=skip or CSAN_NULL=log"
+
+
 def _script(name: str) -> ModuleType:
     """``scripts/<name>.py`` imported as a module (its ``main()`` not run)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
