@@ -332,3 +332,15 @@ def test_exposed_comm_measures_what_no_compute_kernel_hides(tmp_path: Path) -> N
         bad.write_text(text)
         r = _run(str(SCRIPTS / "exposed_comm.py"), str(bad), compile=False)
         assert r.returncode == 1 and "Traceback" not in r.stderr and said in r.stderr, r.stderr
+
+
+def test_torchrec_pipeline_tests_names_the_missing_test_files(tmp_path: Path) -> None:
+    """torchrec's own pipeline tests are not in its wheel: without them under ``--tests`` (no
+    folder, or a folder lacking a file) one line names ``--tests`` and what to fetch, exit 2,
+    before any pytest run."""
+    for folder in (tmp_path / "absent", tmp_path):
+        r = _run(str(SCRIPTS / "torchrec_pipeline_tests.py"), f"--tests={folder}", compile=False)
+        assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --tests {folder}"), lines
+        assert "torchrec's source tree at torchrec " in lines[0]
