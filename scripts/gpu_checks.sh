@@ -250,9 +250,10 @@ case "${1:-}" in
     ;;
   parity-repeat)  # 2 GPUs, issue 38 point 3: PARITY_RUNS (200) 2-rank runs of the row-wise
     # case, every CUDA default acting from the first batch, bit-identical to torchrec's,
-    # PARITY_WORKERS (4) at a time (one at a time, 200 fill half a session's device time,
-    # docs/results/parity-sanitizer_2xH200_2026-11-28.md); stops at the first difference (a run
-    # cut by CALL_LIMIT: the dots say how many passed)
+    # PARITY_WORKERS (4) at a time (the 2 GPUs are shared, so that is hardly faster than one at
+    # a time: 200 runs fill about half a session's device time either way,
+    # docs/results/sanitizer-parity-1.8_2xH200_2026-11-28.md); stops at the first difference (a
+    # run cut by CALL_LIMIT: the dots say how many passed)
     RECPIPE_PARITY_REPEATS=${PARITY_RUNS:-200} timeout "$(left 20)" python3 -m pytest -x -q -p no:cacheprovider \
       -n "${PARITY_WORKERS:-4}" \
       tests/test_pipeline_parity.py -k "cuda_defaults_on_every_batch and tw_rw_cw- and not after_forward and not recat_ring" \
