@@ -101,21 +101,23 @@ def test_bench_pipeline_leaves_the_cuda_trace_off() -> None:
     assert r.stdout.split() == ["False", "False"]
 
 
-def _csan(mode: str) -> subprocess.CompletedProcess:
+def _csan(mode: str, *path: Path) -> subprocess.CompletedProcess:
     code = ("import torch.cuda._sanitizer as s\n"
             "print(s.ArgumentHandler._handle_argument.__name__, s.EventHandler._handle_kernel_launch.__name__)")
-    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "CSAN_NULL": mode,
-           "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "csan"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "CSAN_NULL": mode, "PYTHONPATH": os.pathsep.join(
+        [str(SCRIPTS / "csan"), *map(str, path), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_csan_sitecustomize_wraps_the_sanitizer_or_names_the_fix() -> None:
+def test_csan_sitecustomize_wraps_the_sanitizer_or_names_the_fix(tmp_path: Path) -> None:
     """scripts/csan: under the sanitizer, its handlers wrap torch's (the wrapped names stay as
-    long as torch's do, so a torch that renames them fails here, not on the GPU); a bad mode is
-    one line."""
-    r = _csan("skip")
+    long as torch's do, so a torch that renames them fails here, not on the GPU); the next
+    sitecustomize on the path (a kit's) runs once, also with csan's folder on the path twice; a
+    bad mode is one line."""
+    (tmp_path / "sitecustomize.py").write_text("print('next sitecustomize ran')\n")
+    r = _csan("skip", SCRIPTS / "csan" / ".." / "csan", tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["_argument", "_kernel_launch"]
+    assert r.stdout.split("\n")[:2] == ["next sitecustomize ran", "_argument _kernel_launch"], r.stdout
     assert "CSAN_NULL=skip pid" in r.stderr and "skipped 0 null-pointer" in r.stderr
     r = _csan("keep")
     assert r.returncode == 2 and r.stderr.strip() == "CSAN_NULL=keep: use CSAN_NULL=skip or CSAN_NULL=log"

@@ -12,16 +12,18 @@ and recpipe's alike). Under ``TORCH_CUDA_SANITIZER=1``:
 - ``CSAN_NULL=log`` keeps them, notes the shapes seen under each ``id``, and prints them beside
   each report's pointer.
 
-Python imports one ``sitecustomize``; this one first runs the next one on the path (the GPU
-kit's fbgemm aliases)."""
+Python imports one ``sitecustomize``; this one first runs the next one on the path after its own
+folder (the GPU kit's fbgemm aliases), once."""
 import importlib.util
 import os
 import sys
 
-for _d in sys.path:
-    _f = os.path.join(_d or ".", "sitecustomize.py")
-    if os.path.isfile(_f) and os.path.abspath(_f) != os.path.abspath(__file__):
-        _spec = importlib.util.spec_from_file_location("_next_sitecustomize", _f)
+_here, _after = os.path.realpath(os.path.dirname(__file__)), False
+for _d in map(os.path.realpath, (d or "." for d in sys.path)):  # the next one after this folder
+    if _d == _here:
+        _after = True
+    elif _after and os.path.isfile(os.path.join(_d, "sitecustomize.py")):
+        _spec = importlib.util.spec_from_file_location("_next_sitecustomize", os.path.join(_d, "sitecustomize.py"))
         _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
         break
 
@@ -60,5 +62,6 @@ if os.environ.get("TORCH_CUDA_SANITIZER") and os.environ.get("CSAN_NULL"):
 
     _csan.ArgumentHandler._handle_argument = _argument
     _csan.EventHandler._handle_kernel_launch = _kernel_launch
-    atexit.register(lambda: print(f"CSAN_NULL={_mode} pid {os.getpid()}: skipped {_skipped[0]} "
-                                  "null-pointer tensor arguments", file=sys.stderr, flush=True))
+    if _mode == "skip":
+        atexit.register(lambda: print(f"CSAN_NULL=skip pid {os.getpid()}: skipped {_skipped[0]} "
+                                      "null-pointer tensor arguments", file=sys.stderr, flush=True))
