@@ -6,7 +6,8 @@
 
 The test files are torchrec's, not recpipe's, and torchrec's wheel ships none of them: fetch them
 yourself from torchrec's source tree at the commit of the installed torchrec, keep them out of
-recpipe's git tree (their licence is torchrec's) and lay them out under DIR as in that tree (no __init__.py needed):
+recpipe's git tree (their licence is torchrec's) and lay them out under DIR as in that tree (no
+__init__.py needed):
 
     DIR/torchrec/distributed/train_pipeline/tests/test_train_pipelines.py
     DIR/torchrec/distributed/train_pipeline/tests/test_train_pipelines_base.py
@@ -293,7 +294,10 @@ def main() -> None:
             print(f"== {name}: pytest {root / TEST_FILE} -k '{a.k}'", flush=True)
             cmd = [sys.executable, str(Path(__file__).resolve()), f"--run-one={name}",
                    f"--tests={root}", "-k", a.k, f"--report={out}", "--", *a.pytest_args]
-            rc = subprocess.run(cmd, env=env).returncode
+            try:
+                rc = subprocess.run(cmd, env=env).returncode
+            except KeyboardInterrupt:  # (the run got the Ctrl-C too and stopped)
+                sys.exit(f"interrupted during the {name} run: no outcomes compared; run it again")
             if not out.exists():
                 sys.exit(f"error: the {name} run exited {rc} before writing its outcomes")
             results[name] = json.loads(out.read_text())

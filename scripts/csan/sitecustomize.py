@@ -4,8 +4,8 @@
 The sanitizer keys each tensor argument by its data pointer. A CUDA tensor with no elements has a
 null pointer, so it is keyed by ``id(value)``, an address Python reuses once the object is freed:
 two unrelated empty tensors made on two streams then read as one tensor, a "data race" that
-stops the run (it happened at torchrec's all-to-all output allocation, for torchrec's pipeline
-and recpipe's alike). Under ``TORCH_CUDA_SANITIZER=1``:
+stops the run (most likely what flagged torchrec's all-to-all output allocation, for torchrec's
+pipeline and recpipe's alike). Under ``TORCH_CUDA_SANITIZER=1``:
 
 - ``CSAN_NULL=skip`` leaves null-pointer tensors out (they own no memory, so they cannot race)
   and prints, per process at exit, how many arguments it left out;
@@ -19,11 +19,12 @@ import os
 import sys
 
 _here, _after = os.path.realpath(os.path.dirname(__file__)), False
-for _d in map(os.path.realpath, (d or "." for d in sys.path)):  # the next one after this folder
+for _d in map(os.path.realpath, (d or "." for d in sys.path)):  # the next after this folder
     if _d == _here:
         _after = True
     elif _after and os.path.isfile(os.path.join(_d, "sitecustomize.py")):
-        _spec = importlib.util.spec_from_file_location("_next_sitecustomize", os.path.join(_d, "sitecustomize.py"))
+        _f = os.path.join(_d, "sitecustomize.py")
+        _spec = importlib.util.spec_from_file_location("_next_sitecustomize", _f)
         _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
         break
 
