@@ -15,9 +15,10 @@ Every variant reduces what a gradient bucket is: 4 chunks, concatenated and summ
   ``two_shot_all_reduce_out`` (compiled two-shot runs the same);
 - ``compiled_one_shot`` (CUDA): ``compile_symmetric`` of the same: the cat writes straight into
   symmetric memory, reduced there (no copy);
-- ``auto``: what ``BucketedAllReduce(algorithm="auto")`` runs for such a bucket: where the
-  table picks NCCL, ``all_reduce_flat`` eagerly (the ``cat`` and c10d's ``all_reduce``, as
-  ``nccl``; on CPU, gloo), else ``compile_symmetric`` of it with the algorithm picked.
+- ``auto``: what ``BucketedAllReduce(algorithm="auto")``'s DDP hook runs for such a bucket:
+  ``all_reduce_flat`` eagerly with the algorithm the table picks (NCCL: the ``cat`` and c10d's
+  ``all_reduce``, as ``nccl``, on CPU gloo; symmetric: the copy into the persistent symmetric
+  buffer and its kernel, as ``symm_one_shot`` / ``symm_two_shot``).
 
 Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls (200: enough to tell
 a few percent apart), each after a barrier and timed with CUDA events behind a spin kernel
@@ -106,8 +107,7 @@ def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.
             out["symm_two_shot"] = lambda: all_reduce_flat(chunks, group, "two_shot")
         out["compiled_one_shot"] = compiled("one_shot")
     chosen = choose_algorithm(nbytes, dtype, device, group, "auto")
-    # as BucketedAllReduce(algorithm="auto") runs a bucket: eagerly where it picks NCCL
-    out["auto"] = (lambda: all_reduce_flat(chunks, group, "nccl")) if chosen == "nccl" else compiled(chosen)
+    out["auto"] = lambda: all_reduce_flat(chunks, group, chosen)  # as BucketedAllReduce's hook
     return chunks, out
 
 
