@@ -8,90 +8,96 @@ What runs. The dense (unsharded) part is wrapped in DDP by torchrec's
 bucket's all-reduce when its last grad lands, so that it overlaps the rest of backward, and makes
 the optimizer wait for every bucket (the end of backward waits for their futures). With
 ``algorithm="nccl"`` that is all: DDP at ``bucket_cap_mb``. With ``"auto"`` or ``"symm_mem"``,
-where symmetric memory can be used (CUDA, an NCCL group, ``node_local``), the bucket cap is
-lowered to the largest size they reduce through symmetric memory (from the measured table) and a
-DDP communication hook (as torchrec's wrapper registers its compression hooks) chooses each
-bucket's all-reduce by its size (:func:`~recpipe.ops.all_reduce.choose_algorithm`): NCCL as DDP's
-default hook runs it, or one-/two-shot through symmetric memory. Everywhere else (CPU, a group
-across nodes) DDP runs unchanged. :meth:`BucketedAllReduce.plan` says what each bucket ran.
+where symmetric memory can be used (CUDA, an NCCL group, ``node_local``) and some dense grad fits
+the largest size they reduce through it (from the measured table), DDP's bucket cap is lowered so
+that its buckets fit that size, and a DDP communication hook (as torchrec's wrapper registers
+its compression hooks) chooses each bucket's all-reduce by its size
+(:func:`~recpipe.ops.all_reduce.choose_algorithm`): NCCL as DDP's default hook runs it (divide,
+then sum), or one-/two-shot through symmetric memory
+(:func:`~recpipe.ops.all_reduce.symmetric_mean_`: divided while copied into the persistent
+symmetric buffer, summed back into the bucket). Everywhere else (CPU, a group across nodes, no
+winning size) DDP runs unchanged. :meth:`BucketedAllReduce.plan` says what each bucket ran.
 
 Streams and ownership (CUDA), for a bucket that goes through symmetric memory: DDP calls the hook
-on the autograd thread with backward's stream (main) current, after it has queued the copies of
-the bucket's grads into its flat bucket there. The hook makes the wrapper's communication stream
-(high priority, as NCCL's) wait for main, and on it copies the bucket into this process's
-persistent symmetric buffer, reduces it, and writes the mean back into DDP's bucket; it then
-completes a CUDA future there. DDP waits on the future at the end of backward, which makes main
-wait for the communication stream (the future recorded an event on it): the optimizer reads
-reduced grads. DDP's bucket is DDP's own memory, never freed while training; the reduction's
-temporaries are allocated and read on the communication stream only, so their memory is reused
-only by later work on that stream, in stream order. No ``record_stream`` of the hook's.
+with backward's stream (main) current, after it has queued the copies of the bucket's grads
+into its flat bucket there (on the autograd thread as the bucket's last grad lands; in the first
+steps under DDP's static graph, from its end-of-backward callback). The hook makes the wrapper's
+communication stream (high priority, as NCCL's) wait for main, reduces the bucket in place
+there, and completes a CUDA future there. DDP waits on the future at the end of backward, which
+makes main wait for the communication stream (the future recorded an event on it): the
+optimizer reads reduced grads. DDP's bucket is DDP's own memory, never freed while training; the
+symmetric buffer is reused only by the next reduction on the same stream. No ``record_stream``.
 
-Why not compiled: the bucket is DDP's flat buffer, not symmetric memory, so one copy into the
-symmetric buffer is needed either way; the eager path is that copy, the reduction and the
-division (three kernels), which is what inductor would emit, without a graph per bucket size.
+Not compiled: the bucket is DDP's flat buffer, not symmetric memory, so one copy into the
+symmetric buffer is needed either way; eagerly it carries the division, and the kernel writes
+the sum straight back into the bucket.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch._utils import _unflatten_dense_tensors
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from recpipe.ops.all_reduce import POLICIES, all_reduce_flat, choose_algorithm, symmetric_max_bytes
+from recpipe.ops.all_reduce import POLICIES, choose_algorithm, symmetric_max_bytes, symmetric_mean_
 
 log = logging.getLogger(__name__)
 
 
-def mean_all_reduce(
-    grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "auto",
-) -> list[torch.Tensor]:
-    """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
-    flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`), on
-    the current stream. Traceable by torch.compile."""
-    flat = all_reduce_flat(grads, group, algorithm)
-    # eagerly ``flat`` is a new tensor of this call's own: divided in place, no second
-    # bucket-sized tensor per step (traced, inductor fuses the division)
-    flat = flat / group.size() if torch.compiler.is_compiling() else flat.div_(group.size())
-    return _unflatten_dense_tensors(flat, grads)  # grads' shapes (C++: no per-grad Python)
+Reduce = Callable[[torch.Tensor, dist.ProcessGroup, str], torch.Tensor]
+#: ``choose(nbytes, dtype)``: a bucket's algorithm, ``"nccl"``, ``"one_shot"`` or ``"two_shot"``
+Choose = Callable[[int, torch.dtype], str]
 
 
 class SymmetricHook:
-    """The DDP communication hook's state (:func:`symmetric_hook`): the group, the policy
-    (``"auto"`` or ``"symm_mem"``), the communication stream (CUDA; None on CPU, where the work
-    runs when the hook is called), and per bucket index what its last reduction ran: its bytes
-    and ``"nccl"``, ``"one_shot"`` or ``"two_shot"``."""
+    """The DDP communication hook's state (:func:`symmetric_hook`).
 
-    def __init__(self, group: dist.ProcessGroup, policy: str, device: torch.device) -> None:
-        self.group, self.policy = group, policy
+    Attributes:
+        group: the process group.
+        choose: a bucket's algorithm by its bytes and dtype (the measured table's choice).
+        reduce: ``reduce(flat, group, algorithm)``, the symmetric-memory mean of a bucket, in
+            place on the current stream (:func:`~recpipe.ops.all_reduce.symmetric_mean_`).
+        stream: where the symmetric reductions run (CUDA; None on CPU: when the hook is called).
+        ran: per bucket index, its bytes, dtype and algorithm in the last backward.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, choose: Choose, device: torch.device,
+                 reduce: Reduce = symmetric_mean_) -> None:
+        self.group, self.choose, self.reduce = group, choose, reduce
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        self.ran: dict[int, tuple[int, str]] = {}
+        self.ran: dict[int, tuple[int, torch.dtype, str]] = {}
 
 
 def symmetric_hook(state: SymmetricHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's communication hook: the mean of ``bucket`` over the ranks, by the algorithm chosen
-    for its size (chosen once per bucket index and size: the choice reads the table on the
-    host). NCCL: DDP's default hook. Symmetric memory: on ``state.stream`` after what main has
-    queued, written back into DDP's bucket, with a future completed there (module docstring)."""
+    """DDP's communication hook: ``bucket`` becomes its mean over the ranks, by the algorithm
+    chosen for its size and dtype (once per bucket: the choice reads the table on the host).
+    NCCL: DDP's default hook. Symmetric memory: on ``state.stream`` after what the current
+    stream (backward's) has queued, in place in DDP's bucket, with a future completed there (the
+    module docstring)."""
     flat = bucket.buffer()
-    nbytes = flat.numel() * flat.element_size()
-    ran = state.ran.get(bucket.index())
-    if ran is None or ran[0] != nbytes:  # (DDP rebuilds its buckets after the first steps)
-        ran = state.ran[bucket.index()] = (
-            nbytes, choose_algorithm(nbytes, flat.dtype, flat.device, state.group, state.policy))
-    if ran[1] == "nccl":
+    nbytes, index = flat.numel() * flat.element_size(), bucket.index()
+    ran = state.ran.get(index)
+    if ran is None or ran[:2] != (nbytes, flat.dtype):  # (DDP rebuilds its buckets once)
+        ran = state.ran[index] = (nbytes, flat.dtype, state.choose(nbytes, flat.dtype))
+    if bucket.is_last():  # (a rebuild may leave fewer buckets)
+        for stale in [i for i in state.ran if i > index]:
+            del state.ran[stale]
+    if ran[2] == "nccl":
         return default_hooks.allreduce_hook(state.group, bucket)
     stream = state.stream
     if stream is None:
-        return _mean_into(flat, state.group, ran[1])
+        return _reduced(state, flat, ran[2])
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     with stream:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
-        return _mean_into(flat, state.group, ran[1])
+        return _reduced(state, flat, ran[2])
 
 
 # DDP checks the hook's annotations as objects (this module's are strings: ``annotations``)
@@ -99,10 +105,10 @@ symmetric_hook.__annotations__.update(bucket=dist.GradBucket, state=SymmetricHoo
                                       **{"return": torch.futures.Future[torch.Tensor]})
 
 
-def _mean_into(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.futures.Future[torch.Tensor]:
-    """``flat`` = its mean over ``group`` by ``algorithm``, on the current stream; a future
-    completed there (on CUDA it records an event on that stream for its waiters)."""
-    flat.copy_(mean_all_reduce([flat], group, algorithm)[0])
+def _reduced(state: SymmetricHook, flat: torch.Tensor, algorithm: str) -> torch.futures.Future[torch.Tensor]:
+    """``state.reduce`` of ``flat`` on the current stream, and a future completed with it there
+    (on CUDA it records an event on that stream, which DDP's wait makes main wait for)."""
+    state.reduce(flat, state.group, algorithm)
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[flat.device] if flat.is_cuda else None)
     done.set_result(flat)
@@ -115,7 +121,8 @@ class BucketedAllReduce(DefaultDataParallelWrapper):
 
     Args:
         bucket_cap_mb: DDP's bucket cap (25, DDP's default); with ``"auto"`` or ``"symm_mem"``
-            at most the largest bucket they reduce through symmetric memory, where they do.
+            lowered where they use symmetric memory, so that DDP's buckets fit the largest size
+            they reduce through it.
         algorithm: ``"nccl"`` (DDP as it is), ``"auto"`` (per bucket, NCCL or the symmetric
             algorithm the measured table of :mod:`recpipe.ops.all_reduce_table` shows faster
             for its size: a symmetric one only where the upper end of its latency ratio's 95%
@@ -147,7 +154,7 @@ class BucketedAllReduce(DefaultDataParallelWrapper):
         """Per DDP bucket, by index: its bytes and the all-reduce its last reduction ran
         (``"nccl"``, ``"one_shot"`` or ``"two_shot"``). Empty before the first backward, and where
         DDP runs unchanged (its own NCCL all-reduce for every bucket)."""
-        return [] if self.hook is None else [self.hook.ran[i] for i in sorted(self.hook.ran)]
+        return [] if self.hook is None else [(b, a) for b, _, a in (self.hook.ran[i] for i in sorted(self.hook.ran))]
 
     def _enable_symmetric_memory(self, group: dist.ProcessGroup, device: torch.device) -> bool:
         """Enable symmetric memory for ``group`` if ``algorithm`` may use it and it can run there;
@@ -167,20 +174,38 @@ class BucketedAllReduce(DefaultDataParallelWrapper):
         enable_symm_mem_for_group(group.group_name)
         return True
 
+    def _symmetric_cap(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> int:
+        """DDP's bucket cap in bytes under which its buckets fit the largest size ``algorithm``
+        reduces through symmetric memory (which this enables for ``group``); 0 where no bucket
+        could go through it. DDP closes a bucket at the first grad that takes it to the cap, so
+        a bucket exceeds the cap by up to one grad less a byte: the cap leaves room for the
+        largest grad that fits."""
+        if not self._enable_symmetric_memory(group, device):
+            return 0
+        sharded = set(DistributedModelParallel._sharded_parameter_names(module))
+        sizes: dict[torch.dtype, list[int]] = {}
+        for n, p in module.named_parameters():
+            if n not in sharded and p.requires_grad:
+                sizes.setdefault(p.dtype, []).append(p.numel() * p.element_size())
+        caps = []
+        for dtype, nbytes in sizes.items():
+            most = symmetric_max_bytes(dtype, device, group, self.algorithm)
+            fitting = [b for b in nbytes if b <= most]
+            if fitting:
+                caps.append(most - max(fitting) + 1)
+        return min(caps, default=0)
+
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         group = env.process_group
         if group is None:
             raise RuntimeError("BucketedAllReduce needs a ProcessGroup-based ShardingEnv")
-        symmetric = self._enable_symmetric_memory(group, device)
-        if symmetric:  # the cap: the largest bucket that goes through symmetric memory
-            module = dmp._dmp_wrapped_module
-            sharded = set(DistributedModelParallel._sharded_parameter_names(module))
-            dtypes = {p.dtype for n, p in module.named_parameters() if n not in sharded and p.requires_grad}
-            caps = [c for d in dtypes if (c := symmetric_max_bytes(d, device, group, self.algorithm))]
-            if caps:
-                self._bucket_cap_mb = min(self._bucket_cap_mb, min(caps) / 2**20)
+        cap = self._symmetric_cap(dmp._dmp_wrapped_module, group, device)
+        if cap:
+            self._bucket_cap_mb = min(self._bucket_cap_mb, cap / 2**20)
         super().wrap(dmp, env, device)
         ddp = dmp._dmp_wrapped_module
-        if symmetric and isinstance(ddp, DistributedDataParallel):
-            self.hook = SymmetricHook(group, self.algorithm, device)
+        if cap and isinstance(ddp, DistributedDataParallel):
+            choose = partial(choose_algorithm, device=device, group=group, algorithm=self.algorithm)
+            self.hook = SymmetricHook(group, choose, device)
             ddp.register_comm_hook(self.hook, symmetric_hook)
+

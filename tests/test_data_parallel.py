@@ -19,7 +19,6 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline import data_parallel
 from recpipe.pipeline.data_parallel import BucketedAllReduce, SymmetricHook, symmetric_hook
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
@@ -28,30 +27,40 @@ STEPS = 100 if GPU2 else 40  # the GPU check's 100; fewer on 2 CPU cores
 CAP_MB = 2e-4  # 209 bytes: several buckets of the small model's dense part
 
 
-def _forced(wrapper: BucketedAllReduce, skip_mean: bool = False) -> BucketedAllReduce:
-    """``wrapper`` with its hook on CPU (as if symmetric memory could run), every other bucket
-    size sent through the hook's symmetric branch (gloo underneath); ``skip_mean``: that branch
-    leaves the rank's own grads (the control: the optimizer must then see different losses)."""
-    wrapper._enable_symmetric_memory = lambda group, device: True  # type: ignore[method-assign]
-    data_parallel.choose_algorithm = lambda nbytes, *args: "two_shot" if nbytes % 8 else "nccl"
-    if skip_mean:
-        data_parallel.mean_all_reduce = lambda grads, group, algorithm: grads
-    return wrapper
-
-
-_MEAN = data_parallel.mean_all_reduce
 _SPIN_CYCLES = 40_000_000  # far longer than the host's step
 
 
-def _lagging(wrapper: BucketedAllReduce) -> BucketedAllReduce:
-    """GPUs: each symmetric reduction queued behind a long spin kernel on the communication
-    stream, so that an optimizer not made to wait for it would read the rank's own grads."""
-    def slow(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
-        torch.cuda._sleep(_SPIN_CYCLES)
-        return _MEAN(grads, group, algorithm)
+def _gloo_mean(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
+    """CPU's stand-in for the symmetric-memory mean (gloo)."""
+    dist.all_reduce(flat.div_(group.size()), group=group)
+    return flat
 
-    data_parallel.mean_all_reduce = slow
+
+def _forced(wrapper: BucketedAllReduce) -> BucketedAllReduce:
+    """``wrapper`` with its hook on CPU, as if symmetric memory could run there."""
+    wrapper._symmetric_cap = lambda module, group, device: int(CAP_MB * 2**20)  # type: ignore[method-assign]
     return wrapper
+
+
+def _adjust(variant: str, hook: SymmetricHook | None) -> None:
+    """After ``wrap``: CPU's ``forced`` variants send every other bucket size through the
+    hook's symmetric branch, which means through gloo (``forced``) or leaves the rank's own grads
+    (``forced_no_mean``, the control: the optimizer must then see other losses); GPUs'
+    ``symm_mem_lagging`` queues each symmetric reduction behind a long spin kernel on the
+    communication stream, so that an optimizer not made to wait for it reads the rank's grads."""
+    if variant.startswith("forced"):
+        assert hook is not None
+        hook.choose = lambda nbytes, dtype: "two_shot" if nbytes % 8 else "nccl"
+        hook.reduce = _gloo_mean if variant == "forced" else (lambda flat, group, algorithm: flat)
+    elif variant == "symm_mem_lagging":
+        assert hook is not None
+        reduce = hook.reduce
+
+        def lagging(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
+            torch.cuda._sleep(_SPIN_CYCLES)
+            return reduce(flat, group, algorithm)
+
+        hook.reduce = lagging
 
 
 def _train(rank: int, world: int, device: torch.device, variant: str) -> tuple[list[float], list[str]]:
@@ -64,16 +73,17 @@ def _train(rank: int, world: int, device: torch.device, variant: str) -> tuple[l
         "auto_across_nodes": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto",
                                                        node_local=False),
         "symm_mem": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="symm_mem"),
-        "symm_mem_lagging": lambda: _lagging(BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="symm_mem")),
+        "symm_mem_lagging": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="symm_mem"),
         "forced": lambda: _forced(BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto")),
-        "forced_no_mean": lambda: _forced(BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto"),
-                                          skip_mean=True),
+        "forced_no_mean": lambda: _forced(BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto")),
     }[variant]()
     spec = ModelSpec()
     model, optimizer = build_sharded(
         spec, ["table_wise", "column_wise"], device, torch.distributed.group.WORLD, seed=1,
         data_parallel=wrapper,
     )
+    if wrapper is not None:
+        _adjust(variant, wrapper.hook)
     pipeline = TrainPipelineSparseDist(model, optimizer, device)
     it = batches(spec, STEPS, rank, seed=3)
     losses = [pipeline.progress(it)[0].item() for _ in range(STEPS)]
@@ -84,8 +94,8 @@ def _train_all(rank: int, world: int, device: torch.device, variants: list[str])
     return {v: _train(rank, world, device, v) for v in ["ddp", *variants]}
 
 
-GPU_VARIANTS = ["symm_mem", "symm_mem_lagging"] if GPU2 else []  # (the last patches the module)
-CPU_VARIANTS = [] if GPU2 else ["forced", "forced_no_mean"]  # (they patch the module)
+GPU_VARIANTS = ["symm_mem", "symm_mem_lagging"] if GPU2 else []
+CPU_VARIANTS = [] if GPU2 else ["forced", "forced_no_mean"]
 
 
 def test_losses_match_ddp_and_auto_falls_back_to_ddp() -> None:
@@ -105,29 +115,40 @@ def test_losses_match_ddp_and_auto_falls_back_to_ddp() -> None:
                                        msg=variant)
             if variant == "forced":
                 assert set(plan) == {"two_shot", "nccl"}, plan
+            elif variant.startswith("symm_mem"):  # (the tiny buckets: one-shot, every one)
+                assert set(plan) == {"one_shot"}, (variant, plan)
             elif not variant.startswith("symm_mem") and (not torch.cuda.is_available() or variant != "auto"):
                 assert plan == [], (variant, plan)
 
 
 def _dense_dmp(wrapper: BucketedAllReduce, group: dist.ProcessGroup) -> DistributedModelParallel:
-    """20 MiB of fp32 Linear layers after a tiny fp64 one, data-parallel through ``wrapper``."""
-    model = nn.Sequential(nn.Linear(4, 4).double(), *[nn.Linear(1024, 1024) for _ in range(5)])
+    """20 MiB of fp32 Linear layers (4 MiB weights), data-parallel through ``wrapper``."""
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5)])
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(group),
                                     device=torch.device("cpu"), data_parallel_wrapper=wrapper)
 
 
 @pytest.mark.usefixtures("symmetric_h200")
-def test_cap_is_the_largest_bucket_symmetric_memory_wins_at(local_group: dist.ProcessGroup) -> None:
-    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), ``auto`` caps DDP's
-    buckets at 16 MiB, the largest size where two-shot's interval shows a win, and registers
-    its hook; ``nccl`` is DDP at 25 MiB, no hook."""
-    for algorithm, cap_mib in {"nccl": 25, "auto": 16, "symm_mem": 16}.items():
+def test_buckets_fit_the_largest_size_symmetric_memory_wins_at(local_group: dist.ProcessGroup) -> None:
+    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), ``auto`` reduces fp32
+    buckets through symmetric memory up to 16 MiB, the largest size where two-shot's interval
+    shows a win: DDP's cap leaves room for the largest grad (4 MiB), so that once DDP has rebuilt
+    its buckets every fp32 one fits, and they go through two-shot; ``nccl`` is DDP at 25 MiB."""
+    M = 1 << 20
+    for algorithm in ("nccl", "auto", "symm_mem"):
         wrapper = BucketedAllReduce(algorithm=algorithm)
         wrapper._enable_symmetric_memory = lambda group, device: algorithm != "nccl"  # as on GPUs
         dmp = _dense_dmp(wrapper, local_group)
-        assert wrapper.bucket_cap_bytes == cap_mib << 20, algorithm
+        cap = 25 * M if algorithm == "nccl" else 16 * M - 4 * M + 1
+        assert wrapper.bucket_cap_bytes == dmp._dmp_wrapped_module.bucket_bytes_cap == cap, algorithm
         assert (wrapper.hook is None) == (algorithm == "nccl"), algorithm
-        assert dmp._dmp_wrapped_module.bucket_bytes_cap == cap_mib << 20, algorithm
+        if wrapper.hook is None:
+            continue
+        wrapper.hook.reduce = _gloo_mean  # (no symmetric kernel on CPU)
+        for _ in range(3):  # DDP rebuilds its buckets after the first steps
+            dmp(torch.ones(2, 1024)).sum().backward()
+        plan = wrapper.plan()  # 3 layers' grads (12 MiB + 12 KiB), then 2 (8 MiB + 8 KiB)
+        assert [b // M for b, _ in plan] == [12, 8] and {a for _, a in plan} == {"two_shot"}, plan
 
 
 class _Stream:
@@ -157,29 +178,38 @@ class _Bucket:
     def index(self) -> int:
         return 0
 
+    def is_last(self) -> bool:
+        return True
+
 
 def test_symmetric_bucket_runs_on_the_stream_after_main(
     local_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The hook's CUDA branch, with stand-in streams: the communication stream waits for main,
-    then the mean is written into DDP's bucket and the future completed with it there."""
+    then the mean is written into DDP's bucket and the future completed with it, both there."""
     log: list = []
     main = _Stream("main", log)
-    state = SymmetricHook(local_group, "auto", torch.device("cpu"))
+    state = SymmetricHook(local_group, lambda nbytes, dtype: "two_shot", torch.device("cpu"))
     state.stream = _Stream("comm", log)  # type: ignore[assignment]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: main)
-    monkeypatch.setattr(data_parallel, "choose_algorithm", lambda *args: "two_shot")
 
-    def mean(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
+    def mean(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
         log.append(f"reduce {algorithm}")
-        return [g / 2 for g in grads]
+        return flat.div_(2)
 
-    monkeypatch.setattr(data_parallel, "mean_all_reduce", mean)
+    def completed(self: torch.futures.Future, value: torch.Tensor) -> None:
+        log.append("future completed")
+        set_result(self, value)
+
+    set_result = torch.futures.Future.set_result
+    monkeypatch.setattr(torch.futures.Future, "set_result", completed)
+    state.reduce = mean
     flat = torch.ones(4)
     done = symmetric_hook(state, _Bucket(flat))  # type: ignore[arg-type]
-    assert log == ["comm waits for main", "comm current", "reduce two_shot", "comm no longer current"]
+    assert log == ["comm waits for main", "comm current", "reduce two_shot", "future completed",
+                   "comm no longer current"]
     assert done.value() is flat and flat.tolist() == [0.5] * 4
-    assert state.ran == {0: (16, "two_shot")}
+    assert state.ran == {0: (16, torch.float32, "two_shot")}
 
 
 def test_symm_mem_needs_cuda_and_nccl(local_group: dist.ProcessGroup) -> None:

@@ -324,7 +324,7 @@ class _Trainer:
             seed=t.seed, optimizer=t.optimizer, data_parallel=data_parallel, topology=topology,
         )
         if data_parallel is not None and self.rank == 0:
-            log.info("dense all-reduce %s: DDP buckets of %d bytes, %s", allreduce,
+            log.info("dense all-reduce %s: DDP's bucket cap %d bytes, %s", allreduce,
                      data_parallel.bucket_cap_bytes,
                      "NCCL for all" if data_parallel.hook is None else "NCCL or symmetric memory by size")
         resume = ckpt.resume if ckpt else None
