@@ -89,10 +89,9 @@ PIPELINES: dict[str, Callable] = {
     "recpipe_auto_ar": RecpipePipeline,
 }
 
-#: The dense part's gradient all-reduce (default: torchrec's DDP): recpipe's bucketed all-reduce,
-#: overlapped with backward, through NCCL (gloo on CPU; eager), through symmetric memory (CUDA,
-#: one host; compiled), or per bucket the fastest of the two in the machine's measured table
-#: (recpipe.ops.all_reduce_table).
+#: The dense part's gradient all-reduce (default: torchrec's DDP): recpipe's BucketedAllReduce,
+#: DDP with a communication hook: NCCL (DDP itself), symmetric memory (CUDA, one host), or per
+#: bucket the fastest of the two in the machine's measured table (recpipe.ops.all_reduce_table).
 DENSE_ALLREDUCE: dict[str, Callable[[], BucketedAllReduce]] = {
     "recpipe_nccl_ar": lambda: BucketedAllReduce(),
     "recpipe_symm_ar": lambda: BucketedAllReduce(algorithm="symm_mem"),

@@ -239,6 +239,21 @@ def _c10d_sum(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torc
     return whole
 
 
+def symmetric_mean_(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
+    """``flat`` (1-D, contiguous, CUDA, one of ``SYMM_DTYPES``, in a group with symmetric memory)
+    becomes its mean over ``group``'s ranks, in place, on the current stream: divided by the
+    world size as it is copied into this process's persistent symmetric buffer (before the sum,
+    as DDP divides), then summed by ``algorithm`` (``"one_shot"`` or ``"two_shot"``) back into
+    ``flat``. Eager only (a DDP bucket's reduction)."""
+    buf = symmetric_buffer(flat.numel(), flat.dtype, flat.device, group.group_name)
+    torch.div(flat, group.size(), out=buf)
+    if algorithm == "two_shot":
+        torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", group.group_name, flat)
+    else:  # (one-shot buckets are small: its copy back costs little)
+        flat.copy_(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name))
+    return flat
+
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, algorithm: str = "auto") -> torch.Tensor:
     """The sum of ``x`` over ``group``'s ranks, as a new tensor of ``x``'s shape: see
     :func:`all_reduce_flat`."""

@@ -1,248 +1,160 @@
-"""Dense-gradient all-reduce for DistributedModelParallel without DDP: bucketed, overlapped with
-backward on a communication stream, through :func:`recpipe.ops.all_reduce.all_reduce_flat`
-(NCCL, or symmetric memory on one NVLink host; gloo on CPU), optionally ``torch.compile``'d.
+"""Dense-gradient all-reduce for DistributedModelParallel: torchrec's DDP wrapper, whose buckets
+go through symmetric memory where the machine's measured table shows a win.
 
-Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce())``.
+Use as ``DistributedModelParallel(..., data_parallel_wrapper=BucketedAllReduce(algorithm="auto"))``.
 
-Buckets. Each bucket is a group of dense (unsharded) parameters of one dtype, in reverse
-registration order (about the order backward produces their grads), up to the bucket cap
-(:class:`BucketedAllReduce`'s ``bucket_cap_mb``, lowered by ``"auto"`` and ``"symm_mem"`` to the
-largest size they reduce through symmetric memory, from the machine's measured table).
-Consecutive grads are packed up to the cap, so where the grads are small next to it the buckets
-come near it, where the table shows symmetric memory winning. A gradient larger than the cap
-closes the bucket being filled, with the grads before it (NCCL's range), much as DDP's buckets
-do: a reduction less per step, which a host-bound step pays in Python, for a later start of
-those grads (its layer's bias lands with it; a smaller layer's grads, one layer earlier). It is
-not split into symmetric-size pieces: they would all land at once (no earlier start), and
-NCCL's cost per byte at large sizes is below two-shot's at the cap
-(docs/results/overlap-allreduce_2xH200_2026-11-28.md). What is left at the end (the first
-layers' grads, which backward produces last) is the last bucket: the only reduction that cannot
-overlap backward.
+What runs. The dense (unsharded) part is wrapped in DDP by torchrec's
+``DefaultDataParallelWrapper``: DDP's C++ reducer packs the grads into its flat buckets, starts a
+bucket's all-reduce when its last grad lands, so that it overlaps the rest of backward, and makes
+the optimizer wait for every bucket (the end of backward waits for their futures). With
+``algorithm="nccl"`` that is all: DDP at ``bucket_cap_mb``. With ``"auto"`` or ``"symm_mem"``,
+where symmetric memory can be used (CUDA, an NCCL group, ``node_local``) and some dense grad fits
+the largest size they reduce through it (from the measured table), DDP's bucket cap is lowered so
+that its buckets fit that size, and a DDP communication hook (as torchrec's wrapper registers
+its compression hooks) chooses each bucket's all-reduce by its size
+(:func:`~recpipe.ops.all_reduce.choose_algorithm`): NCCL as DDP's default hook runs it (divide,
+then sum), or one-/two-shot through symmetric memory
+(:func:`~recpipe.ops.all_reduce.symmetric_mean_`: divided while copied into the persistent
+symmetric buffer, summed back into the bucket). Everywhere else (CPU, a group across nodes, no
+winning size) DDP runs unchanged. :meth:`BucketedAllReduce.plan` says what each bucket ran.
 
-Overlap. A ``post_accumulate_grad`` hook counts the bucket's ready grads. When its last one
-lands, the bucket's reduction is queued on the wrapper's :class:`CommStream`: on CUDA a
-dedicated stream (high priority, as NCCL's own), made to wait (an event) for what the current
-stream (the one backward runs its AccumulateGrad on: main) has queued so far, so for the
-bucket's grads; there the grads are summed across ranks as one flat tensor, divided by the
-world size and copied back into the grads in place, while main goes on with backward. At a
-backward's first dense grad, a callback is queued on the autograd engine (``queue_callback``,
-as DDP's reducer does); it runs when that backward ends, on the stream that called
-``backward()`` (main), and makes that stream wait for the communication stream: the optimizer,
-and anything else queued on main after ``backward()``, reads reduced grads. One backward at a
-time: after a backward that raised, the next one first waits for the reductions it left and
-counts afresh; one run inside another's (reentrant checkpointing of dense layers) is not
-supported.
+Streams and ownership (CUDA), for a bucket that goes through symmetric memory: DDP calls the hook
+with backward's stream (main) current, after it has queued the copies of the bucket's grads
+into its flat bucket there (on the autograd thread as the bucket's last grad lands; in the first
+steps under DDP's static graph, from its end-of-backward callback). The hook makes the wrapper's
+communication stream (high priority, as NCCL's) wait for main, reduces the bucket in place
+there, and completes a CUDA future there. DDP waits on the future at the end of backward, which
+makes main wait for the communication stream (the future recorded an event on it): the
+optimizer reads reduced grads. DDP's bucket is DDP's own memory, never freed while training; the
+symmetric buffer is reused only by the next reduction on the same stream. No ``record_stream``.
 
-Streams and ownership (CUDA):
-
-- the grads (``param.grad``) are allocated on main by autograd; from the event of their
-  bucket's launch until the end-of-backward wait, only the communication stream reads and
-  writes them (backward does not touch a leaf's grad after its AccumulateGrad). The stream
-  holds the submitted work, and so Python references to those grads, until main has waited
-  for it: a grad freed or replaced later (``zero_grad(set_to_none=True)``) goes back to main's
-  pool after main's wait, so no kernel of main reuses its memory while the reduction may still
-  read it. No ``record_stream``: the caching allocator would have to query an event at each such
-  free, and would hold the blocks back from main's pool until then.
-- the bucket's flat gradient, the reduced sum and the divided means are allocated on the
-  communication stream and used only there (the NCCL path's c10d call is synchronous, so
-  ordered on that stream); dropped when the work returns, their memory is reused only by later
-  work on the same stream, in stream order.
-- the symmetric-memory paths run on the communication stream too: inductor's symmetric buffer of
-  each compiled graph, and :func:`~recpipe.ops.all_reduce.symmetric_buffer`, are reused by the
-  next call on that stream, in stream order.
-
-On CPU (gloo) there are no streams: the same code runs the work when it is submitted (gloo's
-collectives return when done) and the end-of-backward wait has nothing to wait for. The tests
-put a stand-in stream there that runs the work only when waited on, as a GPU stream far behind
-the host would: the optimizer must still see the reduced means.
-
-``algorithm`` picks each bucket's all-reduce (:data:`~recpipe.ops.all_reduce.POLICIES`):
-``"nccl"``; ``"auto"``, NCCL or a symmetric-memory algorithm, whichever the measured table of
-:mod:`recpipe.ops.all_reduce_table` says is faster for the bucket's size (a symmetric one only
-where the upper end of its latency ratio's 95% interval, or in a table without intervals its
-P50 ratio, is below 1 by the table's margin);
-``"symm_mem"``, symmetric memory for every bucket it can reduce. The latter two enable symmetric
-memory for the group when it can be used there (CUDA, an NCCL group, ``node_local``), lower the
-bucket cap as above, and compile the reduction of each bucket that goes through symmetric memory,
-with static shapes, through :func:`~recpipe.ops.all_reduce.compile_symmetric`: inductor then
-allocates the bucket's flat gradient (the ``cat``, computed in the graph) in symmetric memory and
-reduces it there with no extra copy. Where symmetric memory cannot be used (CPU, a group across
-nodes), every bucket goes through NCCL (gloo on CPU); ``"auto"`` also sends every bucket through
-NCCL where no table was measured for the GPU and world size. A bucket that goes through NCCL
-runs eagerly (c10d's ``all_reduce``), unless ``compile=True``.
-:meth:`BucketedAllReduce.plan` says what each bucket runs.
+Not compiled: the bucket is DDP's flat buffer, not symmetric memory, so one copy into the
+symmetric buffer is needed either way; eagerly it carries the division, and the kernel writes
+the sum straight back into the bucket.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _unflatten_dense_tensors
-from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from recpipe.ops.all_reduce import (
-    POLICIES,
-    all_reduce_flat,
-    choose_algorithm,
-    compile_symmetric,
-    symmetric_max_bytes,
-)
+from recpipe.ops.all_reduce import POLICIES, choose_algorithm, symmetric_max_bytes, symmetric_mean_
 
 log = logging.getLogger(__name__)
 
-#: ``reduce(grads, group, algorithm)``: ``algorithm`` is the bucket's: ``"nccl"``, ``"one_shot"``
-#: or ``"two_shot"`` (:meth:`BucketedAllReduce.plan`)
-Reduce = Callable[[list[torch.Tensor], dist.ProcessGroup, str], list[torch.Tensor]]
-_RECOMPILE_LIMIT = 1024  # graphs of the reduction per process: one per bucket shape
+
+Reduce = Callable[[torch.Tensor, dist.ProcessGroup, str], torch.Tensor]
+#: ``choose(nbytes, dtype)``: a bucket's algorithm, ``"nccl"``, ``"one_shot"`` or ``"two_shot"``
+Choose = Callable[[int, torch.dtype], str]
 
 
-def mean_all_reduce(
-    grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "auto",
-) -> list[torch.Tensor]:
-    """The mean of ``grads`` over ``group``'s ranks, as new tensors of the same shapes (one
-    flat all-reduce, by ``algorithm``: see :func:`~recpipe.ops.all_reduce.all_reduce_flat`), on
-    the current stream. Traceable by torch.compile."""
-    flat = all_reduce_flat(grads, group, algorithm)
-    # eagerly ``flat`` is a new tensor of this call's own: divided in place, no second
-    # bucket-sized tensor per step (traced, inductor fuses the division)
-    flat = flat / group.size() if torch.compiler.is_compiling() else flat.div_(group.size())
-    return _unflatten_dense_tensors(flat, grads)  # grads' shapes (C++: no per-grad Python)
-
-
-class CommStream:
-    """Where the buckets' reductions run while backward goes on (see the module docstring).
-
-    CUDA: a dedicated stream, of high priority (as NCCL's: the reduction's kernels get SMs
-    ahead of backward's queued ones). :meth:`submit` makes it wait for what the current stream
-    has queued, queues the work there and holds the work (so the tensors it references) until
-    :meth:`wait`, which makes the current stream wait for all of it. CPU: no stream (``stream``
-    is None): the work runs when submitted, and :meth:`wait` has nothing to wait for."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        self._held: list[Callable[[], None]] = []
-
-    def submit(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (host code queuing kernels) after everything queued so far on the
-        current stream; call from the stream whose work it reads (backward's: main)."""
-        if self.stream is None:
-            work()
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with self.stream:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
-            work()
-        self._held.append(work)
-
-    def wait(self) -> None:
-        """Make the current stream wait for all submitted work, then drop the work (and the
-        references it holds: safe once the current stream, which will free them, waited)."""
-        if self.stream is not None and self._held:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        self._held.clear()
-
-
-class _Bucket:
-    def __init__(self, params: list[nn.Parameter], owner: "BucketedAllReduce", algorithm: str,
-                 reduce: Reduce) -> None:
-        self.params = params
-        self.owner = owner
-        self.algorithm = algorithm  # what ``reduce`` is asked for: "nccl", "one_shot" or "two_shot"
-        self.reduce = reduce
-        self.ready = 0
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.params)
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        self.owner._backward_started()
-        self.ready += 1
-        if self.ready < len(self.params):
-            return
-        self.ready = 0
-        self.owner.comm.submit(functools.partial(self._reduce_in_place, [p.grad for p in self.params]))
-
-    def _reduce_in_place(self, grads: list[torch.Tensor]) -> None:
-        """``grads`` = their mean over the ranks, queued on the current stream (the
-        communication stream)."""
-        owner = self.owner
-        with torch.no_grad():
-            torch._foreach_copy_(grads, self.reduce(grads, owner._group, self.algorithm))
-
-
-def _nbytes(params: list[nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _buckets(
-    params: list[nn.Parameter], cap_bytes: Callable[[torch.dtype], int],
-) -> list[list[nn.Parameter]]:
-    """Consecutive groups of one dtype and device, each up to ``cap_bytes(dtype)``, except that
-    a tensor larger than its cap closes the group being filled, with the tensors before it."""
-    out: list[list[nn.Parameter]] = []
-    size = 0
-    for p in reversed(params):  # backward produces the last layers' grads first
-        nbytes, cap = p.numel() * p.element_size(), cap_bytes(p.dtype)
-        same = bool(out) and (out[-1][0].dtype, out[-1][0].device) == (p.dtype, p.device)
-        if not same or (size + nbytes > cap and not size < cap < nbytes):
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += nbytes
-    return out
-
-
-class BucketedAllReduce(DataParallelWrapper):
-    """A torchrec ``DataParallelWrapper`` replacing DDP for the dense part of the model.
-
-    Args:
-        bucket_cap_mb: bucket size (DDP's default is 25); with ``"auto"`` or ``"symm_mem"`` at
-            most the largest bucket they reduce through symmetric memory, where they do (from
-            the measured table).
-        compile: reduce the buckets that go through NCCL through ``torch.compile(fullgraph=True)``
-            too (those that go through symmetric memory always are).
-        reduce: the bucket reduction, :func:`mean_all_reduce` by default: new tensors (the
-            means), computed on the current stream, which is the communication stream.
-        algorithm: ``"nccl"``, ``"auto"`` or ``"symm_mem"`` (see the module docstring).
-        node_local: whether the group's ranks are all on one node; if not, symmetric memory
-            stays off and every bucket goes through NCCL.
+class SymmetricHook:
+    """The DDP communication hook's state (:func:`symmetric_hook`).
 
     Attributes:
-        comm: the :class:`CommStream` the reductions run on (``wrap`` makes it for the device).
+        group: the process group.
+        choose: a bucket's algorithm by its bytes and dtype (the measured table's choice).
+        reduce: ``reduce(flat, group, algorithm)``, the symmetric-memory mean of a bucket, in
+            place on the current stream (:func:`~recpipe.ops.all_reduce.symmetric_mean_`).
+        stream: where the symmetric reductions run (CUDA; None on CPU: when the hook is called).
+        ran: per bucket index, its bytes, dtype and algorithm in the last backward.
     """
 
-    def __init__(
-        self,
-        bucket_cap_mb: float = 25,
-        compile: bool = False,
-        reduce: Reduce = mean_all_reduce,
-        algorithm: str = "nccl",
-        node_local: bool = True,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, choose: Choose, device: torch.device,
+                 reduce: Reduce = symmetric_mean_) -> None:
+        self.group, self.choose, self.reduce = group, choose, reduce
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.ran: dict[int, tuple[int, torch.dtype, str]] = {}
+
+
+def symmetric_hook(state: SymmetricHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook: ``bucket`` becomes its mean over the ranks, by the algorithm
+    chosen for its size and dtype (once per bucket: the choice reads the table on the host).
+    NCCL: DDP's default hook. Symmetric memory: on ``state.stream`` after what the current
+    stream (backward's) has queued, in place in DDP's bucket, with a future completed there (the
+    module docstring)."""
+    flat = bucket.buffer()
+    nbytes, index = flat.numel() * flat.element_size(), bucket.index()
+    ran = state.ran.get(index)
+    if ran is None or ran[:2] != (nbytes, flat.dtype):  # (DDP rebuilds its buckets once)
+        ran = state.ran[index] = (nbytes, flat.dtype, state.choose(nbytes, flat.dtype))
+    if bucket.is_last():  # (a rebuild may leave fewer buckets)
+        for stale in [i for i in state.ran if i > index]:
+            del state.ran[stale]
+    if ran[2] == "nccl":
+        return default_hooks.allreduce_hook(state.group, bucket)
+    stream = state.stream
+    if stream is None:
+        return _reduced(state, flat, ran[2])
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with stream:  # torch.Stream as a context: C++, unlike torch.cuda.stream()
+        return _reduced(state, flat, ran[2])
+
+
+# DDP checks the hook's annotations as objects (this module's are strings: ``annotations``)
+symmetric_hook.__annotations__.update(bucket=dist.GradBucket, state=SymmetricHook,
+                                      **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def _reduced(state: SymmetricHook, flat: torch.Tensor, algorithm: str) -> torch.futures.Future[torch.Tensor]:
+    """``state.reduce`` of ``flat`` on the current stream, and a future completed with it there
+    (on CUDA it records an event on that stream, which DDP's wait makes main wait for)."""
+    state.reduce(flat, state.group, algorithm)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[flat.device] if flat.is_cuda else None)
+    done.set_result(flat)
+    return done
+
+
+class BucketedAllReduce(DefaultDataParallelWrapper):
+    """torchrec's DDP wrapper for the dense part of the model, with buckets that go through
+    symmetric memory where that wins (see the module docstring).
+
+    Args:
+        bucket_cap_mb: DDP's bucket cap (25, DDP's default); with ``"auto"`` or ``"symm_mem"``
+            lowered where they use symmetric memory, so that DDP's buckets fit the largest size
+            they reduce through it.
+        algorithm: ``"nccl"`` (DDP as it is), ``"auto"`` (per bucket, NCCL or the symmetric
+            algorithm the measured table of :mod:`recpipe.ops.all_reduce_table` shows faster
+            for its size: a symmetric one only where the upper end of its latency ratio's 95%
+            interval is below 1 by the table's margin; NCCL where no table was measured for the
+            GPU and world size) or ``"symm_mem"`` (symmetric memory for every bucket it can
+            reduce).
+        node_local: whether the group's ranks are all on one node; if not, symmetric memory
+            stays off and DDP runs unchanged.
+
+    Attributes:
+        hook: the communication hook's state once ``wrap`` registered it (None where DDP runs
+            unchanged).
+    """
+
+    def __init__(self, bucket_cap_mb: float = 25, algorithm: str = "nccl", node_local: bool = True) -> None:
         if algorithm not in POLICIES:
             raise ValueError(f"BucketedAllReduce(algorithm={algorithm!r}): expected one of {POLICIES}")
+        super().__init__(bucket_cap_mb=bucket_cap_mb)  # type: ignore[arg-type]  # (DDP takes floats)
         self.algorithm = algorithm
-        self._cap = int(bucket_cap_mb * 2**20)
-        self._compile = compile
         self._node_local = node_local
-        self._reduce = reduce
-        self._group: dist.ProcessGroup | None = None
-        self._graph_task = -1  # the autograd graph task whose end waits for the reductions
-        self.buckets: list[_Bucket] = []
-        self.comm = CommStream(torch.device("cpu"))
+        self.hook: SymmetricHook | None = None
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """DDP's bucket cap, as ``wrap`` set it."""
+        return int(self._bucket_cap_mb * 2**20)
 
     def plan(self) -> list[tuple[int, str]]:
-        """Per bucket, in reduction order: its bytes and the all-reduce :func:`mean_all_reduce`
-        runs for it (``"nccl"``, ``"one_shot"`` or ``"two_shot"``). Empty before ``wrap``."""
-        return [(b.nbytes, b.algorithm) for b in self.buckets]
+        """Per DDP bucket, by index: its bytes and the all-reduce its last reduction ran
+        (``"nccl"``, ``"one_shot"`` or ``"two_shot"``). Empty before the first backward, and where
+        DDP runs unchanged (its own NCCL all-reduce for every bucket)."""
+        return [] if self.hook is None else [(b, a) for b, _, a in (self.hook.ran[i] for i in sorted(self.hook.ran))]
 
     def _enable_symmetric_memory(self, group: dist.ProcessGroup, device: torch.device) -> bool:
         """Enable symmetric memory for ``group`` if ``algorithm`` may use it and it can run there;
@@ -262,75 +174,38 @@ class BucketedAllReduce(DataParallelWrapper):
         enable_symm_mem_for_group(group.group_name)
         return True
 
-    def _compiled_reduce(self, symmetric: bool) -> Reduce:
-        """The compiled reduction of a bucket: static shapes (symmetric buffers cannot have
-        dynamic ones), so one graph per bucket; dynamo keeps the graphs of one function
-        together (over every wrapper in the process), so its recompile limit is raised for
-        these calls: with ``fullgraph=True`` reaching it would be an error."""
-        if symmetric:
-            compiled = compile_symmetric(self._reduce)
-        else:
-            compiled = torch.compile(self._reduce, fullgraph=True, dynamic=False)
-
-        def reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str) -> list[torch.Tensor]:
-            # Set and restored by hand: ``config.patch`` costs far more per call (per bucket
-            # and step, in backward).
-            config = torch._dynamo.config
-            saved, config.recompile_limit = config.recompile_limit, _RECOMPILE_LIMIT
-            try:
-                return compiled(grads, group, algorithm)
-            finally:
-                config.recompile_limit = saved
-
-        return reduce
-
-    def _backward_started(self) -> None:
-        """On each dense grad: at a backward's first, queue the wait for its reductions at its
-        end, and start every bucket's count afresh (a backward that raised left some counted,
-        and reductions that main has not waited for: it waits now)."""
-        task = torch._C._current_graph_task_id()
-        if task != self._graph_task:
-            self._graph_task = task
-            self.comm.wait()
-            for b in self.buckets:
-                b.ready = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
-
-    def _backward_finished(self) -> None:
-        """The engine's final callback, on the stream that called ``backward()``: it waits for
-        every bucket's reduction; then checks that every bucket was reduced."""
-        self.comm.wait()
-        if any(b.ready for b in self.buckets):  # (counted afresh at the next backward)
-            raise RuntimeError(
-                "BucketedAllReduce: some dense parameters got no gradient in this backward, so "
-                "their buckets were not reduced (unused parameters are not supported)"
-            )
+    def _symmetric_cap(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> int:
+        """DDP's bucket cap in bytes under which its buckets fit the largest size ``algorithm``
+        reduces through symmetric memory (which this enables for ``group``); 0 where no bucket
+        could go through it. DDP closes a bucket at the first grad that takes it to the cap, so
+        a bucket exceeds the cap by up to one grad less a byte: the cap leaves room for the
+        largest grad that fits."""
+        if not self._enable_symmetric_memory(group, device):
+            return 0
+        sharded = set(DistributedModelParallel._sharded_parameter_names(module))
+        sizes: dict[torch.dtype, list[int]] = {}
+        for n, p in module.named_parameters():
+            if n not in sharded and p.requires_grad:
+                sizes.setdefault(p.dtype, []).append(p.numel() * p.element_size())
+        caps = []
+        for dtype, nbytes in sizes.items():
+            most = symmetric_max_bytes(dtype, device, group, self.algorithm)
+            fitting = [b for b in nbytes if b <= most]
+            if fitting:
+                caps.append(most - max(fitting) + 1)
+        return min(caps, default=0)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         group = env.process_group
         if group is None:
             raise RuntimeError("BucketedAllReduce needs a ProcessGroup-based ShardingEnv")
-        symmetric = self._enable_symmetric_memory(group, device)
-        module = dmp._dmp_wrapped_module
-        sharded = set(DistributedModelParallel._sharded_parameter_names(module))
-        dense = [p for n, p in module.named_parameters() if n not in sharded and p.requires_grad]
-        with torch.no_grad():  # start from rank 0's dense weights, as DDP does
-            for p in dense:
-                dist.broadcast(p, src=dist.get_global_rank(group, 0), group=group)
-        self._group = group
-        self.comm = CommStream(device)
+        cap = self._symmetric_cap(dmp._dmp_wrapped_module, group, device)
+        if cap:
+            self._bucket_cap_mb = min(self._bucket_cap_mb, cap / 2**20)
+        super().wrap(dmp, env, device)
+        ddp = dmp._dmp_wrapped_module
+        if cap and isinstance(ddp, DistributedDataParallel):
+            choose = partial(choose_algorithm, device=device, group=group, algorithm=self.algorithm)
+            self.hook = SymmetricHook(group, choose, device)
+            ddp.register_comm_hook(self.hook, symmetric_hook)
 
-        @functools.cache
-        def cap(dtype: torch.dtype) -> int:  # the bucket cap, or the largest symmetric bucket
-            return min(self._cap, symmetric_max_bytes(dtype, device, group, self.algorithm) or self._cap)
-
-        # A bucket that goes through NCCL runs eagerly unless ``compile``: a compiled call costs
-        # the host more than the few kernels it queues (guards, the graph's wrappers), which a
-        # host-bound step pays per bucket.
-        compiled = self._compiled_reduce(symmetric) if symmetric or self._compile else None
-        self.buckets = []
-        for params in _buckets(dense, cap):
-            algorithm = choose_algorithm(_nbytes(params), params[0].dtype, device, group,
-                                         self.algorithm if symmetric else "nccl")
-            eager = algorithm == "nccl" and not self._compile
-            self.buckets.append(_Bucket(params, self, algorithm, self._reduce if eager else compiled))

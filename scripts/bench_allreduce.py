@@ -15,9 +15,11 @@ Every variant reduces what a gradient bucket is: 4 chunks, concatenated and summ
   ``two_shot_all_reduce_out`` (compiled two-shot runs the same);
 - ``compiled_one_shot`` (CUDA): ``compile_symmetric`` of the same: the cat writes straight into
   symmetric memory, reduced there (no copy);
-- ``auto``: what ``BucketedAllReduce(algorithm="auto")`` runs for such a bucket: where the
-  table picks NCCL, ``all_reduce_flat`` eagerly (the ``cat`` and c10d's ``all_reduce``, as
-  ``nccl``; on CPU, gloo), else ``compile_symmetric`` of it with the algorithm picked.
+- ``auto``: what ``BucketedAllReduce(algorithm="auto")``'s DDP hook runs for such a bucket once
+  the ``cat`` has made it one flat tensor (as DDP's bucket): where the table picks NCCL, DDP's
+  default hook (divide, c10d's ``all_reduce``; on CPU gloo), else ``symmetric_mean_`` (divided
+  while copied into the persistent symmetric buffer, summed back into the bucket); its
+  division is counted, as DDP divides too.
 
 Per size and dtype: P50 (and P10-P90) microseconds over ``--iters`` calls (200: enough to tell
 a few percent apart), each after a barrier and timed with CUDA events behind a spin kernel
@@ -65,7 +67,7 @@ import torch.distributed._functional_collectives as funcol
 
 from recpipe.bench.gpu_timing import device_ms
 from recpipe.bench.stats import median_interval
-from recpipe.ops.all_reduce import all_reduce_flat, choose_algorithm, compile_symmetric
+from recpipe.ops.all_reduce import all_reduce_flat, choose_algorithm, compile_symmetric, symmetric_mean_
 from recpipe.ops.all_reduce_table import (
     Latencies,
     LatencyTable,
@@ -106,8 +108,14 @@ def variants(nbytes: int, dtype: torch.dtype, device: torch.device, group: dist.
             out["symm_two_shot"] = lambda: all_reduce_flat(chunks, group, "two_shot")
         out["compiled_one_shot"] = compiled("one_shot")
     chosen = choose_algorithm(nbytes, dtype, device, group, "auto")
-    # as BucketedAllReduce(algorithm="auto") runs a bucket: eagerly where it picks NCCL
-    out["auto"] = (lambda: all_reduce_flat(chunks, group, "nccl")) if chosen == "nccl" else compiled(chosen)
+    def auto():  # as BucketedAllReduce's hook reduces a DDP bucket
+        flat = torch.cat(chunks)
+        if chosen != "nccl":
+            return symmetric_mean_(flat, group, chosen)
+        dist.all_reduce(flat.div_(dist.get_world_size(group)), group=group)
+        return flat
+
+    out["auto"] = auto
     return chunks, out
 
 
@@ -255,11 +263,13 @@ def main() -> None:
             nbytes = parse_size(size)
             chunks, fns = variants(nbytes, dtype, device, group)
             ref = fns["nccl"]().float()
-            for fn in fns.values():  # warm up, compile, check the sums agree
+            for name, fn in fns.items():  # warm up, compile, check the sums agree
                 for _ in range(a.warmup):
                     r = fn()
                 r = r.wait() if isinstance(r, funcol.AsyncCollectiveTensor) else r
-                torch.testing.assert_close(r.float(), ref, rtol=2e-2, atol=1e-2)
+                mean = name == "auto"  # (the hook's mean)
+                torch.testing.assert_close(r.float(), ref / dist.get_world_size(group) if mean else ref,
+                                           rtol=2e-2, atol=1e-2)
             samples = {k: [] for k in fns}
             for i in range(a.iters):
                 order = list(fns)

@@ -18,7 +18,7 @@
 #   bash scripts/gpu_checks.sh scaling    # 4 or 8 GPUs: 4-rank parity, large bench, all-reduce
 #   bash scripts/gpu_checks.sh overlap    # 2 GPUs, issue 39 in one call (CALL_LIMIT-bound):
 #        overlap-table: bench_allreduce, 200 interleaved calls, 95% intervals, --write-table
-#        overlap-checks: GPU ordering test, sanitizer + recompiles (tiny; auto and symm_mem)
+#        overlap-checks: BucketedAllReduce's GPU tests, sanitizer (tiny; auto and symm_mem)
 #        overlap-bench: DDP vs auto vs nccl all-reduce, dense_heavy then small (OVERLAP_CONFIGS),
 #        5 alternating runs each (those that fit before CALL_LIMIT: 200 s kept per later config)
 #   bash scripts/gpu_checks.sh plane      # 2 GPUs, issue 38: 1 rank, column- and row-wise, anchors
@@ -198,12 +198,11 @@ case "${1:-}" in
       echo "no table written (see $out/bench_allreduce-200.log)"
     fi
     ;;&
-  overlap|overlap-checks)  # the optimizer reads reduced grads with each reduction behind a spin
-    # kernel on the communication stream (and not without the wait); losses as DDP's; then the
-    # sanitizer on the overlapped reduction (tiny: one bucket, NCCL for auto, one-shot for
-    # symm_mem), one process each, with TORCH_LOGS=recompiles: one bucket, one graph, so any
-    # recompile is one after the first step
-    python3 -m pytest -q -p no:cacheprovider tests/test_data_parallel_overlap.py 2>&1 \
+  overlap|overlap-checks)  # losses as DDP's, also with each symmetric reduction behind a spin
+    # kernel on the communication stream; then the sanitizer on the hook's reduction (tiny: one
+    # bucket, NCCL for auto, one-shot for symm_mem), one process each (TORCH_LOGS=recompiles: the
+    # hook compiles nothing, so any recompile would be the model's)
+    python3 -m pytest -q -p no:cacheprovider tests/test_data_parallel.py 2>&1 \
       | tee "$out/overlap_tests.log" | tail -3
     for p in recpipe_auto_ar recpipe_symm_ar; do
       TORCH_CUDA_SANITIZER=1 TORCH_LOGS=recompiles python3 scripts/bench_pipeline.py --config tiny \

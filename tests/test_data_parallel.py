@@ -1,6 +1,9 @@
-"""BucketedAllReduce (dense grads without DDP) against torchrec's default DDP, on 2 ranks (gloo on
-CPU; NCCL, and symmetric memory, on 2 GPUs); on one rank in the test's process: no recompiles,
-the bucket plan, and what needs CUDA or one node."""
+"""BucketedAllReduce (torchrec's DDP wrapper with a symmetric-memory communication hook) against
+torchrec's default DDP, on 2 ranks (gloo on CPU; NCCL, and symmetric memory, on 2 GPUs); on one
+rank in the test's process: the bucket cap, the hook's streams, and what needs CUDA or one node.
+
+On CPU, the hook's symmetric branch runs with the bucket sizes' choice forced (``_forced``): its
+reduction then goes through gloo, and the optimizer must still read every bucket's mean."""
 
 from __future__ import annotations
 
@@ -12,143 +15,201 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from group_fixtures import local_group_fixture, symmetric_h200_fixture  # noqa: F401 (fixtures)
 from torch import nn
-from torch._dynamo.utils import counters
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.data_parallel import BucketedAllReduce, _Bucket, _buckets, mean_all_reduce
+from recpipe.pipeline.data_parallel import BucketedAllReduce, SymmetricHook, symmetric_hook
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 GPU2 = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 STEPS = 100 if GPU2 else 40  # the GPU check's 100; fewer on 2 CPU cores
+CAP_MB = 2e-4  # 209 bytes: several buckets of the small model's dense part
+
+
+_SPIN_CYCLES = 40_000_000  # far longer than the host's step
+
+
+def _gloo_mean(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
+    """CPU's stand-in for the symmetric-memory mean (gloo)."""
+    dist.all_reduce(flat.div_(group.size()), group=group)
+    return flat
+
+
+def _forced(wrapper: BucketedAllReduce) -> BucketedAllReduce:
+    """``wrapper`` with its hook on CPU, as if symmetric memory could run there."""
+    wrapper._symmetric_cap = lambda module, group, device: int(CAP_MB * 2**20)  # type: ignore[method-assign]
+    return wrapper
+
+
+def _adjust(variant: str, hook: SymmetricHook | None) -> None:
+    """After ``wrap``: CPU's ``forced`` variants send every other bucket size through the
+    hook's symmetric branch, which means through gloo (``forced``) or leaves the rank's own grads
+    (``forced_no_mean``, the control: the optimizer must then see other losses); GPUs'
+    ``symm_mem_lagging`` queues each symmetric reduction behind a long spin kernel on the
+    communication stream, so that an optimizer not made to wait for it reads the rank's grads."""
+    if variant.startswith("forced"):
+        assert hook is not None
+        hook.choose = lambda nbytes, dtype: "two_shot" if nbytes % 8 else "nccl"
+        hook.reduce = _gloo_mean if variant == "forced" else (lambda flat, group, algorithm: flat)
+    elif variant == "symm_mem_lagging":
+        assert hook is not None
+        reduce = hook.reduce
+
+        def lagging(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
+            torch.cuda._sleep(_SPIN_CYCLES)
+            return reduce(flat, group, algorithm)
+
+        hook.reduce = lagging
 
 
 def _train(rank: int, world: int, device: torch.device, variant: str) -> tuple[list[float], list[str]]:
-    """The losses of ``STEPS`` steps with ``variant``'s dense all-reduce, and its plan's
-    algorithms per bucket."""
+    """The losses of ``STEPS`` steps with ``variant``'s dense all-reduce, and what each bucket
+    ran in the last step."""
     wrapper = {
-        "ddp": None,
-        "bucketed": BucketedAllReduce(bucket_cap_mb=2e-4),  # 209 bytes: 4 buckets
-        "bucketed_compiled": BucketedAllReduce(bucket_cap_mb=2e-4, compile=True),
-        "symm_mem": BucketedAllReduce(bucket_cap_mb=2e-4, algorithm="symm_mem"),
-        "auto": BucketedAllReduce(bucket_cap_mb=2e-4, algorithm="auto"),  # on CPU: gloo
-        "auto_across_nodes": BucketedAllReduce(bucket_cap_mb=2e-4, algorithm="auto", node_local=False),
-    }[variant]
+        "ddp": lambda: None,
+        "nccl": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB),
+        "auto": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto"),  # CPU: DDP's
+        "auto_across_nodes": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto",
+                                                       node_local=False),
+        "symm_mem": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="symm_mem"),
+        "symm_mem_lagging": lambda: BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="symm_mem"),
+        "forced": lambda: _forced(BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto")),
+        "forced_no_mean": lambda: _forced(BucketedAllReduce(bucket_cap_mb=CAP_MB, algorithm="auto")),
+    }[variant]()
     spec = ModelSpec()
     model, optimizer = build_sharded(
         spec, ["table_wise", "column_wise"], device, torch.distributed.group.WORLD, seed=1,
         data_parallel=wrapper,
     )
     if wrapper is not None:
-        assert len(wrapper.buckets) > 2
-        # Fewer graphs than buckets allowed per function by default: the wrapper must cope.
-        torch._dynamo.config.recompile_limit = 2
-    counters.clear()
-    torch._dynamo.reset()  # no graph of an earlier variant: identical guards would reuse it
+        _adjust(variant, wrapper.hook)
     pipeline = TrainPipelineSparseDist(model, optimizer, device)
     it = batches(spec, STEPS, rank, seed=3)
     losses = [pipeline.progress(it)[0].item() for _ in range(STEPS)]
-    if wrapper is not None:  # one graph per compiled bucket: all with compile=True, else those
-        # that go through symmetric memory (the NCCL ones run eagerly)
-        plan = [a for _, a in wrapper.plan()]
-        compiled = len(plan) if variant == "bucketed_compiled" else sum(a != "nccl" for a in plan)
-        assert counters["stats"]["unique_graphs"] == compiled, (variant, plan)
     return losses, [] if wrapper is None else [a for _, a in wrapper.plan()]
 
 
-VARIANTS = ["bucketed", "bucketed_compiled", "auto", "auto_across_nodes"] + (["symm_mem"] if GPU2 else [])
+def _train_all(rank: int, world: int, device: torch.device, variants: list[str]) -> dict:
+    return {v: _train(rank, world, device, v) for v in ["ddp", *variants]}
 
 
-def _train_all(rank: int, world: int, device: torch.device) -> dict[str, tuple[list[float], list[str]]]:
-    return {v: _train(rank, world, device, v) for v in ["ddp", *VARIANTS]}
+GPU_VARIANTS = ["symm_mem", "symm_mem_lagging"] if GPU2 else []
+CPU_VARIANTS = [] if GPU2 else ["forced", "forced_no_mean"]
 
 
-def test_losses_match_ddp_and_auto_falls_back_to_nccl() -> None:
-    """Every variant's losses are DDP's (rtol 1e-5); ``auto`` reduces through NCCL (gloo) on
-    CPU and across nodes."""
-    for runs in run_ranks(2, _train_all):  # every variant in the same 2 processes
+def test_losses_match_ddp_and_auto_falls_back_to_ddp() -> None:
+    """Every variant's losses are DDP's (rtol 1e-5): the optimizer reads each bucket's mean,
+    also where the hook's symmetric branch reduced it (CPU: ``forced``, and the control without
+    the mean differs; GPUs: ``symm_mem``, and behind a spin kernel); ``auto`` on CPU and across
+    nodes is DDP's own all-reduce (no hook)."""
+    variants = ["nccl", "auto", "auto_across_nodes", *GPU_VARIANTS, *CPU_VARIANTS]
+    for runs in run_ranks(2, _train_all, variants):  # every variant in the same 2 processes
         ddp, _ = runs["ddp"]
-        for variant in VARIANTS:
+        for variant in variants:
             losses, plan = runs[variant]
+            if variant == "forced_no_mean":
+                assert losses != ddp
+                continue
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp), rtol=1e-5, atol=0,
                                        msg=variant)
-            if variant.startswith("auto") and (not torch.cuda.is_available() or variant != "auto"):
-                assert set(plan) == {"nccl"}, (variant, plan)
-
-
-def test_buckets_split_by_size_and_dtype() -> None:
-    ps = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
-          [(10, torch.float32), (10, torch.float32), (300, torch.float32), (4, torch.float64),
-           (4, torch.float64)]]
-    groups = _buckets(ps, cap_bytes=lambda dtype: 1000 if dtype == torch.float32 else 40)
-    assert [[p.numel() for p in g] for g in groups] == [[4], [4], [300], [10, 10]]
-    # a tensor larger than the cap closes the bucket being filled, with the tensors before it;
-    # one of exactly the cap does not
-    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (300, 10, 10, 300, 10, 250, 10)]
-    groups = _buckets(ps, cap_bytes=lambda dtype: 1000)
-    assert [[p.numel() for p in g] for g in groups] == [[10], [250], [10, 300], [10, 10, 300]]
-
-
-def test_unused_parameter_is_an_error() -> None:
-    lin, unused = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
-    wrapper = BucketedAllReduce()
-    wrapper.buckets = [
-        _Bucket(list(lin.parameters()) + list(unused.parameters()), wrapper, "nccl", lambda grads, group, a: grads)
-    ]
-    with pytest.raises(RuntimeError, match="got no gradient"):
-        lin(torch.ones(2, 3)).sum().backward()
-
-
-STEPS_ONE_RANK = 8
-
-
-def test_compiled_buckets_never_recompile(local_group: dist.ProcessGroup) -> None:
-    """Training compiles one graph per bucket in its first step, then none: a recompile after
-    step 3 fails. A bucket of a new shape does add a graph (the count would see one)."""
-    torch._dynamo.reset()  # no graph of an earlier test in this process
-    spec = ModelSpec(weighted=False, sequence=False)
-    wrapper = BucketedAllReduce(bucket_cap_mb=2e-4, compile=True)  # 209 bytes: 4 buckets
-    device = torch.device("cpu")
-    model, optimizer = build_sharded(spec, ["table_wise"], device, local_group, data_parallel=wrapper)
-    assert len(wrapper.buckets) > 1 and wrapper.plan() == [(b.nbytes, "nccl") for b in wrapper.buckets]
-    pipeline = TrainPipelineSparseDist(model, optimizer, device)
-    it = batches(spec, STEPS_ONE_RANK, 0, seed=3)
-    before = counters["stats"]["unique_graphs"]
-    graphs = []
-    for _ in range(STEPS_ONE_RANK):
-        pipeline.progress(it)
-        graphs.append(counters["stats"]["unique_graphs"] - before)
-    assert graphs[2:] == [len(wrapper.buckets)] * (STEPS_ONE_RANK - 2), graphs
-    wrapper.buckets[0].reduce([torch.ones(3)], local_group, "nccl")
-    assert counters["stats"]["unique_graphs"] - before == len(wrapper.buckets) + 1
+            if variant == "forced":
+                assert set(plan) == {"two_shot", "nccl"}, plan
+            elif variant.startswith("symm_mem"):  # (the tiny buckets: one-shot, every one)
+                assert set(plan) == {"one_shot"}, (variant, plan)
+            elif not variant.startswith("symm_mem") and (not torch.cuda.is_available() or variant != "auto"):
+                assert plan == [], (variant, plan)
 
 
 def _dense_dmp(wrapper: BucketedAllReduce, group: dist.ProcessGroup) -> DistributedModelParallel:
-    """20 MiB of fp32 Linear layers after a tiny fp64 one, data-parallel through ``wrapper``."""
-    model = nn.Sequential(nn.Linear(4, 4).double(), *[nn.Linear(1024, 1024) for _ in range(5)])
+    """20 MiB of fp32 Linear layers (4 MiB weights), data-parallel through ``wrapper``."""
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5)])
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(group),
                                     device=torch.device("cpu"), data_parallel_wrapper=wrapper)
 
 
 @pytest.mark.usefixtures("symmetric_h200")
-def test_plan_caps_buckets_where_symmetric_memory_wins(local_group: dist.ProcessGroup) -> None:
-    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), auto caps fp32 buckets at
-    16 MiB, the largest size where two-shot's interval shows a win; NCCL keeps 25 MiB."""
-    K, M = 1 << 10, 1 << 20
-    fp64 = (4 * 4 + 4) * 8
-    expected = {
-        "nccl": [(20 * M + 20 * K, "nccl"), (fp64, "nccl")],
-        "auto": [(12 * M + 16 * K, "two_shot"), (8 * M + 4 * K, "two_shot"), (fp64, "nccl")],
-        "symm_mem": [(12 * M + 16 * K, "two_shot"), (8 * M + 4 * K, "two_shot"), (fp64, "nccl")],
-    }
-    for algorithm, plan in expected.items():
+def test_buckets_fit_the_largest_size_symmetric_memory_wins_at(local_group: dist.ProcessGroup) -> None:
+    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), ``auto`` reduces fp32
+    buckets through symmetric memory up to 16 MiB, the largest size where two-shot's interval
+    shows a win: DDP's cap leaves room for the largest grad (4 MiB), so that once DDP has rebuilt
+    its buckets every fp32 one fits, and they go through two-shot; ``nccl`` is DDP at 25 MiB."""
+    M = 1 << 20
+    for algorithm in ("nccl", "auto", "symm_mem"):
         wrapper = BucketedAllReduce(algorithm=algorithm)
         wrapper._enable_symmetric_memory = lambda group, device: algorithm != "nccl"  # as on GPUs
-        _dense_dmp(wrapper, local_group)
-        assert wrapper.plan() == plan, algorithm
-        # only the symmetric buckets are compiled; the NCCL ones run the plain reduction
-        assert [b.reduce is mean_all_reduce for b in wrapper.buckets] == [a == "nccl" for _, a in plan]
+        dmp = _dense_dmp(wrapper, local_group)
+        cap = 25 * M if algorithm == "nccl" else 16 * M - 4 * M + 1
+        assert wrapper.bucket_cap_bytes == dmp._dmp_wrapped_module.bucket_bytes_cap == cap, algorithm
+        assert (wrapper.hook is None) == (algorithm == "nccl"), algorithm
+        if wrapper.hook is None:
+            continue
+        wrapper.hook.reduce = _gloo_mean  # (no symmetric kernel on CPU)
+        for _ in range(3):  # DDP rebuilds its buckets after the first steps
+            dmp(torch.ones(2, 1024)).sum().backward()
+        plan = wrapper.plan()  # 3 layers' grads (12 MiB + 12 KiB), then 2 (8 MiB + 8 KiB)
+        assert [b // M for b, _ in plan] == [12, 8] and {a for _, a in plan} == {"two_shot"}, plan
+
+
+class _Stream:
+    """A CPU stand-in for a CUDA stream: notes, in ``log``, the streams it is made to wait for
+    and when it is current."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.device = name, log, torch.device("cuda", 0)
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def __enter__(self) -> None:
+        self.log.append(f"{self.name} current")
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.append(f"{self.name} no longer current")
+
+
+class _Bucket:
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def test_symmetric_bucket_runs_on_the_stream_after_main(
+    local_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook's CUDA branch, with stand-in streams: the communication stream waits for main,
+    then the mean is written into DDP's bucket and the future completed with it, both there."""
+    log: list = []
+    main = _Stream("main", log)
+    state = SymmetricHook(local_group, lambda nbytes, dtype: "two_shot", torch.device("cpu"))
+    state.stream = _Stream("comm", log)  # type: ignore[assignment]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: main)
+
+    def mean(flat: torch.Tensor, group: dist.ProcessGroup, algorithm: str) -> torch.Tensor:
+        log.append(f"reduce {algorithm}")
+        return flat.div_(2)
+
+    def completed(self: torch.futures.Future, value: torch.Tensor) -> None:
+        log.append("future completed")
+        set_result(self, value)
+
+    set_result = torch.futures.Future.set_result
+    monkeypatch.setattr(torch.futures.Future, "set_result", completed)
+    state.reduce = mean
+    flat = torch.ones(4)
+    done = symmetric_hook(state, _Bucket(flat))  # type: ignore[arg-type]
+    assert log == ["comm waits for main", "comm current", "reduce two_shot", "future completed",
+                   "comm no longer current"]
+    assert done.value() is flat and flat.tolist() == [0.5] * 4
+    assert state.ran == {0: (16, torch.float32, "two_shot")}
 
 
 def test_symm_mem_needs_cuda_and_nccl(local_group: dist.ProcessGroup) -> None:
@@ -167,7 +228,7 @@ def test_a_group_across_nodes_goes_through_nccl(
     assert [r.getMessage() for r in caplog.records if r.name == "recpipe.pipeline.data_parallel"] == [
         "BucketedAllReduce(algorithm='symm_mem'): the process group spans nodes, so every bucket "
         "goes through NCCL"]
-    assert {a for _, a in wrapper.plan()} == {"nccl"}
+    assert wrapper.hook is None and wrapper.bucket_cap_bytes == 25 << 20
 
 
 def test_unknown_algorithm_is_an_error() -> None:

@@ -324,8 +324,9 @@ class _Trainer:
             seed=t.seed, optimizer=t.optimizer, data_parallel=data_parallel, topology=topology,
         )
         if data_parallel is not None and self.rank == 0:
-            log.info("dense all-reduce %s, buckets (bytes, algorithm): %s", allreduce,
-                     data_parallel.plan())
+            log.info("dense all-reduce %s: DDP's bucket cap %d bytes, %s", allreduce,
+                     data_parallel.bucket_cap_bytes,
+                     "NCCL for all" if data_parallel.hook is None else "NCCL or symmetric memory by size")
         resume = ckpt.resume if ckpt else None
         #: where checkpoints go (:meth:`run` sets the run's), and the newest step there
         self.ckpt, self.start = ckpt, resume.step if resume else 0
