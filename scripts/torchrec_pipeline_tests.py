@@ -209,13 +209,17 @@ def run_one(a: argparse.Namespace, root: Path) -> int:
     return report["exit"]
 
 
+def installed_torchrec() -> str:
+    """"torchrec X.Y.Z" as installed (what both runs import), for the errors and the summary."""
+    try:
+        return f"torchrec {version('torchrec')}"
+    except PackageNotFoundError:
+        return "the installed torchrec"
+
+
 def tests_root(arg: str | None) -> tuple[Path | None, str]:
     """The folder holding torchrec's test files, or None and the one-line error naming the fix."""
-    try:
-        torchrec = f"torchrec {version('torchrec')}"
-    except PackageNotFoundError:
-        torchrec = "the installed torchrec"
-    source = f"torchrec's source tree at {torchrec}"
+    source = f"torchrec's source tree at {installed_torchrec()}"
     if not arg:
         return None, (f"error: --tests DIR is required: a folder holding torchrec's test files "
                       f"from {source} (see --help for the files)")
@@ -305,7 +309,7 @@ def main() -> None:
                 sys.exit(f"error: the {name} run could not import the tests (above); "
                          f"{results[name]['error'].strip().splitlines()[-1]}")
     lines, n_tests, differing = table(results)
-    print("\n" + "\n".join(lines))
+    print(f"\n{installed_torchrec()}, {root / TEST_FILE}\n" + "\n".join(lines))
     if not any(r["tests"] for r in results.values()):
         sys.exit(f"error: -k '{a.k}' selected no test")
     if len(names) > 1:
