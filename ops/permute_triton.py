@@ -12,9 +12,8 @@ So the permute is one contiguous copy per output row:
    With many rows (``max(T, T') > FUSED_MAX_ROWS``, e.g. 1D lengths of a variable batch) a
    single-program ``_offsets_kernel`` computes the starts and the status once instead.
 
-(A one-launch variant, where every copy program re-reads the raw lengths, saved ~25 us of host
-time at 170 features x batch 128 but took 0.041 ms of GPU time against 0.016 ms for this one on
-an H100, so it is not used.)
+(A one-launch variant, where every copy program re-reads the raw lengths, saves host time but
+costs more GPU time, so it is not used: docs/results/permute-triton-tuning_1xH100_2026-11-23.md.)
 
 Nothing here reads or writes out of bounds or syncs with the host, even on bad input: rows with
 an out-of-range permute index or a negative length are copied as empty, copies are clipped to the
@@ -34,10 +33,8 @@ import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
 
-# Copy launch parameters (BLOCK, num_warps), tuned on an H100 with scripts/tune_permute.py:
-# 1024 features x batch 4096 x pooling 40 (rows of ~160k values): (1024, 16) reached 80% of a
-# plain copy's bandwidth, (4096, 8) 65%; 170 x 128 x 50 (rows of ~6k): (2048, 8) 0.016 ms,
-# (1024, 16) 0.023 ms.
+# Copy launch parameters (BLOCK, num_warps) for long and short rows, tuned with
+# scripts/tune_permute.py (docs/results/permute-triton-tuning_1xH100_2026-11-23.md).
 COPY_LONG_ROWS = (1024, 16)
 COPY_SHORT_ROWS = (2048, 8)
 LONG_ROW = 32768
