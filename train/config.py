@@ -88,10 +88,10 @@ class ShardingConfig:
 @dataclass
 class PipelineConfig:
     name: str = _key("recpipe", "the training pipeline: recpipe | torchrec")
-    # nccl: recpipe's bucketed all-reduce, overlapped with backward, through c10d (NCCL, gloo on
-    # CPU); symm_mem: the same through symmetric memory (compiled); auto: per bucket, the fastest of NCCL
-    # and the symmetric algorithms in the machine's measured table (recpipe.ops.all_reduce_table),
-    # NCCL where nothing was measured
+    # recpipe's BucketedAllReduce, torchrec's DDP wrapper with a communication hook: nccl is DDP
+    # itself; symm_mem sends every bucket it can through symmetric memory; auto: per bucket, the
+    # faster of NCCL and the symmetric algorithms in the machine's measured table
+    # (recpipe.ops.all_reduce_table), NCCL where nothing was measured
     dense_allreduce: str = _key("ddp", "dense-gradient all-reduce: ddp (torchrec's) | nccl | "
                                        "symm_mem (CUDA, one node) | auto (the fastest measured)")
 
