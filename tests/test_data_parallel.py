@@ -19,12 +19,13 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
 from recpipe.pipeline import TrainPipelineSparseDist
-from recpipe.pipeline.data_parallel import BucketedAllReduce, SymmetricHook, symmetric_hook
+from recpipe.pipeline.data_parallel import BucketedAllReduce, SymmetricHook, _ddp_buckets, symmetric_hook
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 GPU2 = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 STEPS = 100 if GPU2 else 40  # the GPU check's 100; fewer on 2 CPU cores
 CAP_MB = 2e-4  # 209 bytes: several buckets of the small model's dense part
+M = 1 << 20
 
 
 _SPIN_CYCLES = 40_000_000  # far longer than the host's step
@@ -121,34 +122,65 @@ def test_losses_match_ddp_and_auto_falls_back_to_ddp() -> None:
                 assert plan == [], (variant, plan)
 
 
-def _dense_dmp(wrapper: BucketedAllReduce, group: dist.ProcessGroup) -> DistributedModelParallel:
-    """20 MiB of fp32 Linear layers (4 MiB weights), data-parallel through ``wrapper``."""
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5)])
+def _dense_dmp(wrapper: BucketedAllReduce, group: dist.ProcessGroup, layers: int = 5,
+               first: tuple[int, int] = (1024, 1024)) -> DistributedModelParallel:
+    """fp32 Linear layers, data-parallel through ``wrapper``: ``first`` (in, out), then
+    1024 x 1024 ones (4 MiB weights), ``layers`` in all."""
+    model = nn.Sequential(nn.Linear(*first), *[nn.Linear(1024, 1024) for _ in range(layers - 1)])
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(group),
                                     device=torch.device("cpu"), data_parallel_wrapper=wrapper)
 
 
+def _wrapped(algorithm: str, group: dist.ProcessGroup, **model: object) -> tuple[BucketedAllReduce, DistributedModelParallel]:
+    wrapper = BucketedAllReduce(algorithm=algorithm)
+    wrapper._enable_symmetric_memory = lambda group, device: algorithm != "nccl"  # as on GPUs
+    return wrapper, _dense_dmp(wrapper, group, **model)
+
+
+def _plan_after_rebuild(wrapper: BucketedAllReduce, dmp: DistributedModelParallel) -> list[tuple[int, str]]:
+    """The hook's plan (MiB, algorithm) once DDP has rebuilt its buckets (after the first steps)."""
+    assert wrapper.hook is not None
+    wrapper.hook.reduce = _gloo_mean  # (no symmetric kernel on CPU)
+    for _ in range(3):
+        dmp(torch.ones(2, dmp._dmp_wrapped_module.module[0].in_features)).sum().backward()
+    return [(b // M, a) for b, a in wrapper.plan()]
+
+
+def test_ddp_buckets_are_the_reducers() -> None:
+    """``_ddp_buckets`` against DDP's own assignment (``dist._compute_bucket_assignment_by_size``)."""
+    sizes = [4 * M, 4096, 16 * M, 4, 3 * M, 64 * M, 4096, 5 * M]
+    tensors = [torch.empty(b // 4) for b in sizes]
+    for cap in (1, 4 * M, 8 * M + 1, 25 * M, 1 << 40):
+        indices, _ = dist._compute_bucket_assignment_by_size(tensors, [cap], [False] * len(sizes))
+        assert _ddp_buckets(sizes, cap) == [sum(sizes[i] for i in bucket) for bucket in indices], cap
+
+
 @pytest.mark.usefixtures("symmetric_h200")
-def test_buckets_fit_the_largest_size_symmetric_memory_wins_at(local_group: dist.ProcessGroup) -> None:
-    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), ``auto`` reduces fp32
-    buckets through symmetric memory up to 16 MiB, the largest size where two-shot's interval
-    shows a win: DDP's cap leaves room for the largest grad (4 MiB), so that once DDP has rebuilt
-    its buckets every fp32 one fits, and they go through two-shot; ``nccl`` is DDP at 25 MiB."""
-    M = 1 << 20
-    for algorithm in ("nccl", "auto", "symm_mem"):
-        wrapper = BucketedAllReduce(algorithm=algorithm)
-        wrapper._enable_symmetric_memory = lambda group, device: algorithm != "nccl"  # as on GPUs
-        dmp = _dense_dmp(wrapper, local_group)
-        cap = 25 * M if algorithm == "nccl" else 16 * M - 4 * M + 1
+def test_symm_mem_buckets_fit_the_largest_size_it_reduces(local_group: dist.ProcessGroup) -> None:
+    """On the shipped 2 x H200 table (fp32 measured, 200 calls per size), ``symm_mem`` sends fp32
+    buckets through symmetric memory up to 16 MiB: DDP's cap leaves room for the largest grad
+    (4 MiB), so that once DDP has rebuilt its buckets every one fits; ``nccl`` is DDP at 25 MiB."""
+    for algorithm, cap in (("nccl", 25 * M), ("symm_mem", 16 * M - 4 * M + 1)):
+        wrapper, dmp = _wrapped(algorithm, local_group)
         assert wrapper.bucket_cap_bytes == dmp._dmp_wrapped_module.bucket_bytes_cap == cap, algorithm
         assert (wrapper.hook is None) == (algorithm == "nccl"), algorithm
-        if wrapper.hook is None:
-            continue
-        wrapper.hook.reduce = _gloo_mean  # (no symmetric kernel on CPU)
-        for _ in range(3):  # DDP rebuilds its buckets after the first steps
-            dmp(torch.ones(2, 1024)).sum().backward()
-        plan = wrapper.plan()  # 3 layers' grads (12 MiB + 12 KiB), then 2 (8 MiB + 8 KiB)
-        assert [b // M for b, _ in plan] == [12, 8] and {a for _, a in plan} == {"two_shot"}, plan
+    # 3 layers' grads (12 MiB + 12 KiB), then 2 (8 MiB + 8 KiB)
+    assert _plan_after_rebuild(wrapper, dmp) == [(12, "two_shot"), (8, "two_shot")]
+
+
+@pytest.mark.usefixtures("symmetric_h200")
+def test_auto_splits_buckets_only_where_the_table_says_it_pays(local_group: dist.ProcessGroup) -> None:
+    """``auto`` on the shipped H200 table: 20 MiB of grads stay one 25 MiB-capped bucket
+    (NCCL at 20 MiB, 110.9 us, beats two-shot at 12 and 8 MiB, 114.8 us summed): DDP as it
+    is, no hook; with 12 MiB, DDP's one bucket goes two-shot (hook, DDP's cap); a grad of exactly
+    16 MiB (the largest symmetric size) does not make the cap 1 byte (a bucket per grad)."""
+    wrapper, dmp = _wrapped("auto", local_group)
+    assert wrapper.hook is None and dmp._dmp_wrapped_module.bucket_bytes_cap == 25 * M
+    wrapper, dmp = _wrapped("auto", local_group, layers=3)
+    assert wrapper.bucket_cap_bytes == 25 * M
+    assert _plan_after_rebuild(wrapper, dmp) == [(12, "two_shot")]
+    wrapper, dmp = _wrapped("auto", local_group, first=(4096, 1024))  # a 16 MiB weight
+    assert wrapper.hook is None and wrapper.bucket_cap_bytes == 25 * M
 
 
 class _Stream:
