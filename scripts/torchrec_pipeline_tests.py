@@ -19,8 +19,8 @@ classes that build TrainPipelineSparseDist itself). In those processes, and in t
 workers of the multi-GPU tests (they re-run this file as their main module), the two test packages
 import from DIR; in recpipe's run, importing them first rebinds TrainPipelineSparseDist in
 torchrec.distributed, torchrec.distributed.train_pipeline and its train_pipelines module to
-recpipe's class, so the tests import and build recpipe's (a line per run shows where the name
-points). torchrec's subclasses (PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync, ...) still
+recpipe's class, so the tests import and build recpipe's (a line per run shows the torchrec it
+imported and where the name points). torchrec's subclasses (PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync, ...) still
 derive from torchrec's class: only tests that build TrainPipelineSparseDist itself test recpipe.
 Hypothesis runs derandomized without its example database, so both runs draw the same examples.
 
@@ -179,6 +179,8 @@ def run_one(a: argparse.Namespace, root: Path) -> int:
     try:
         importlib.import_module(TEST_MODULE)  # by torchrec's name, as spawned workers import it
         report["swap"] = where_the_name_points()
+        torchrec = sys.modules["torchrec"]  # what the tests imported (PYTHONPATH may shadow)
+        report["torchrec"] = f"torchrec {torchrec.__version__} ({Path(torchrec.__file__).parent})"
     except Exception:
         report["error"] = traceback.format_exc()
         Path(a.report).write_text(json.dumps(report))
@@ -186,7 +188,7 @@ def run_one(a: argparse.Namespace, root: Path) -> int:
         return 3
     points = set(report["swap"].values())
     ok = all(p.startswith("recpipe.") == (a.run_one == "recpipe") for p in points)
-    print(f"[{a.run_one}] {NAME} is {', '.join(sorted(points))} in "
+    print(f"[{a.run_one}] {report['torchrec']}; {NAME} is {', '.join(sorted(points))} in "
           f"{', '.join(report['swap'])}{'' if ok else ': NOT the class asked for'}", flush=True)
     if not ok:
         report["error"] = f"{NAME} is {', '.join(sorted(points))} in the {a.run_one} run"
@@ -210,7 +212,7 @@ def run_one(a: argparse.Namespace, root: Path) -> int:
 
 
 def installed_torchrec() -> str:
-    """"torchrec X.Y.Z" as installed (what both runs import), for the errors and the summary."""
+    """"torchrec X.Y.Z" as installed, for the errors."""
     try:
         return f"torchrec {version('torchrec')}"
     except PackageNotFoundError:
@@ -309,7 +311,8 @@ def main() -> None:
                 sys.exit(f"error: the {name} run could not import the tests (above); "
                          f"{results[name]['error'].strip().splitlines()[-1]}")
     lines, n_tests, differing = table(results)
-    print(f"\n{installed_torchrec()}, {root / TEST_FILE}\n" + "\n".join(lines))
+    imported = sorted({r["torchrec"] for r in results.values()})
+    print(f"\n{' and '.join(imported)}, {root / TEST_FILE}\n" + "\n".join(lines))
     if not any(r["tests"] for r in results.values()):
         sys.exit(f"error: -k '{a.k}' selected no test")
     if len(names) > 1:
