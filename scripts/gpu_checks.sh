@@ -98,15 +98,18 @@ case "${1:-}" in
     ;;
   pipeline-shared)  # 1 GPU: 2 ranks share it over gloo (RECPIPE_SHARED_GPU=1), so that the
     # multi-rank path (the all-to-all, P2) runs on real CUDA streams: parity incl. row-wise and
-    # per-rank memory at the large size (timings mean nothing: gloo goes via host). No sanitizer:
-    # it cannot see gloo's own stream syncs and flags torchrec's pipeline itself.
+    # per-rank memory at the large size, both plans, with Base and Lite (timings mean nothing:
+    # gloo goes via host). No sanitizer: it cannot see gloo's own stream syncs and flags
+    # torchrec's pipeline itself.
     export RECPIPE_SHARED_GPU=1
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_pipeline_parity.py \
       -k "not single_rank and not four and not detects" 2>&1 | tee "$out/parity-shared.log" | tail -3
-    python3 scripts/bench_pipeline.py --nproc 2 --config large --repeats "${REPEATS:-2}" --warmup 3 \
-      --steps 6 --sharding table_wise,column_wise --pipelines torchrec,recpipe \
-      --json "$out/large-shared.json" --out "$out/large-shared.md" 2>&1 | tee "$out/large-shared.log" \
-      | grep -E "^  run|^\||vs|identical|^###|rror"
+    for plan in table_wise,column_wise table_wise,row_wise; do  # issue 38 point 2's memory rule
+      python3 scripts/bench_pipeline.py --nproc 2 --config large --repeats "${REPEATS:-1}" --warmup 3 \
+        --steps 6 --sharding $plan --pipelines torchrec,recpipe,torchrec_base,torchrec_lite \
+        --json "$out/large-shared-${plan//,/_}.json" --out "$out/large-shared-${plan//,/_}.md" 2>&1 \
+        | tee "$out/large-shared-${plan//,/_}.log" | grep -E "^  run|^\||vs|identical|^###|rror"
+    done
     ;;
   allreduce|allreduce-checks)  # >= 2 GPUs: GPU tests, latency table, 100 training steps each
     python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_all_reduce.py tests/test_data_parallel.py \
