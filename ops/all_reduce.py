@@ -207,14 +207,6 @@ def symmetric_max_bytes(
     return 0 if table is None else table.largest_symmetric(dtype)
 
 
-def estimate_us(nbytes: int, dtype: torch.dtype, group: dist.ProcessGroup) -> float | None:
-    """The measured table's P50 latency, in microseconds, of ``"auto"``'s all-reduce of
-    ``nbytes`` of ``dtype`` in ``group`` (:meth:`~recpipe.ops.all_reduce_table.LatencyTable.estimate_us`);
-    None where no table was measured or it lacks ``dtype``."""
-    table = _table(group.size())
-    return None if table is None else table.estimate_us(nbytes, dtype)
-
-
 def all_reduce_flat(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "auto",
 ) -> torch.Tensor:

@@ -130,19 +130,6 @@ class Latencies:
         wins = [a for a in SYMMETRIC if a in self.us and worst(a) <= 1 - margin] if at else []
         return min(wins, key=worst, default="nccl")
 
-    def estimate_us(self, nbytes: int) -> float:
-        """The P50 latency of an all-reduce of ``nbytes`` by the algorithm :meth:`choose`
-        picks: linear between the measured sizes around it, the smallest size's below them,
-        and in proportion to the size above them (bandwidth-bound)."""
-        us, sizes = self.us[self.choose(nbytes)], self.sizes
-        i = bisect_left(sizes, nbytes)
-        if i == 0:
-            return us[0]
-        if i == len(sizes):
-            return us[-1] * nbytes / sizes[-1]
-        low, high = sizes[i - 1], sizes[i]
-        return us[i - 1] + (us[i] - us[i - 1]) * (nbytes - low) / (high - low)
-
 
 @dataclass(frozen=True)
 class LatencyTable:
@@ -154,11 +141,6 @@ class LatencyTable:
         """The algorithm for an all-reduce of ``nbytes`` of ``dtype`` (see the module)."""
         latencies = self.dtypes.get(dtype_name(dtype))
         return "nccl" if latencies is None else latencies.choose(nbytes)
-
-    def estimate_us(self, nbytes: int, dtype: torch.dtype) -> float | None:
-        """:meth:`Latencies.estimate_us` for ``dtype``; None for a dtype the table lacks."""
-        latencies = self.dtypes.get(dtype_name(dtype))
-        return None if latencies is None else latencies.estimate_us(nbytes)
 
     def largest_symmetric(self, dtype: torch.dtype) -> int:
         """The largest size :meth:`choose` reduces through symmetric memory (0: none). A

@@ -9,17 +9,17 @@ bucket's all-reduce when its last grad lands, so that it overlaps the rest of ba
 the optimizer wait for every bucket (the end of backward waits for their futures). With
 ``algorithm="nccl"`` that is all: DDP at ``bucket_cap_mb``. With ``"auto"`` or ``"symm_mem"``,
 where symmetric memory can be used (CUDA, an NCCL group, ``node_local``) and some bucket would
-go through it, DDP's bucket cap is set: ``"symm_mem"`` lowers it so that every bucket fits the
-largest size it reduces through symmetric memory; ``"auto"`` keeps DDP's cap or lowers it, as
-the measured table's latencies, summed over the buckets, say is faster (a split adds a
-collective: on the shipped H200 table, dense_heavy's and the tests' models keep DDP's own
-buckets). A DDP communication hook (as torchrec's wrapper registers its compression hooks)
-then chooses each bucket's all-reduce by its size
-(:func:`~recpipe.ops.all_reduce.choose_algorithm`): NCCL as DDP's default hook runs it (divide,
-then sum), or one-/two-shot through symmetric memory
+go through it, a DDP communication hook (as torchrec's wrapper registers its compression hooks)
+chooses each bucket's all-reduce by its size (:func:`~recpipe.ops.all_reduce.choose_algorithm`):
+NCCL as DDP's default hook runs it (divide, then sum), or one-/two-shot through symmetric memory
 (:func:`~recpipe.ops.all_reduce.symmetric_mean_`: divided while copied into the persistent
-symmetric buffer, summed back into the bucket). Everywhere else (CPU, a group across nodes, no
-bucket that would go through symmetric memory) DDP runs unchanged. :meth:`BucketedAllReduce.plan` says what each bucket ran.
+symmetric buffer, summed back into the bucket). ``"auto"`` keeps DDP's buckets: on the shipped
+H200 table their latencies, summed, beat buckets split to fit symmetric memory, and with a
+bucket per grad ``auto`` lost where the host sets the pace
+(docs/results/ddp-comm-hook_2xH200_2026-11-28.md). ``"symm_mem"`` lowers
+DDP's bucket cap so that every bucket fits the largest size it reduces through symmetric memory.
+Everywhere else (CPU, a group across nodes, no bucket that would go through symmetric memory)
+DDP runs unchanged. :meth:`BucketedAllReduce.plan` says what each bucket ran.
 
 Streams and ownership (CUDA), for a bucket that goes through symmetric memory: DDP calls the hook
 with backward's stream (main) current, after it has queued the copies of the bucket's grads
@@ -50,9 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
-from recpipe.ops.all_reduce import (
-    POLICIES, choose_algorithm, estimate_us, symmetric_max_bytes, symmetric_mean_,
-)
+from recpipe.ops.all_reduce import POLICIES, choose_algorithm, symmetric_max_bytes, symmetric_mean_
 
 log = logging.getLogger(__name__)
 
@@ -120,29 +118,16 @@ def _reduced(state: SymmetricHook, flat: torch.Tensor, algorithm: str) -> torch.
     return done
 
 
-def _dense_grads(module: nn.Module) -> dict[torch.dtype, list[int]]:
-    """Bytes of each dense (unsharded) trainable parameter's grad, per dtype, in reverse
-    parameter order: about the order in which backward makes them, in which DDP rebuilds its
-    buckets."""
+def _ddp_buckets(module: nn.Module, cap: int) -> list[tuple[int, torch.dtype]]:
+    """The bytes and dtype of each bucket DDP makes of ``module``'s dense (unsharded) trainable
+    grads under ``cap``, by DDP's own assignment over the parameters in reverse order: the order
+    in which backward makes the grads, about, in which DDP rebuilds its buckets."""
     sharded = set(DistributedModelParallel._sharded_parameter_names(module))
-    grads: dict[torch.dtype, list[int]] = {}
-    for name, p in reversed(list(module.named_parameters())):
-        if name not in sharded and p.requires_grad:
-            grads.setdefault(p.dtype, []).append(p.numel() * p.element_size())
-    return grads
-
-
-def _ddp_buckets(sizes: list[int], cap: int) -> list[int]:
-    """The bytes of the buckets DDP makes of grads of ``sizes`` bytes (one dtype), in that
-    order, under ``cap``: a bucket closes at the first grad that takes it to ``cap`` or more
-    (the Reducer's rule, its optional smaller first bucket aside)."""
-    buckets, size = [], 0
-    for b in sizes:
-        size += b
-        if size >= cap:
-            buckets.append(size)
-            size = 0
-    return buckets + [size] if size else buckets
+    params = [p for n, p in reversed(list(module.named_parameters()))
+              if n not in sharded and p.requires_grad]
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, [cap], [False] * len(params))
+    return [(sum(params[i].numel() * params[i].element_size() for i in b), params[b[0]].dtype)
+            for b in buckets]
 
 
 class BucketedAllReduce(DefaultDataParallelWrapper):
@@ -150,8 +135,8 @@ class BucketedAllReduce(DefaultDataParallelWrapper):
     symmetric memory where that wins (see the module docstring).
 
     Args:
-        bucket_cap_mb: DDP's bucket cap (25, DDP's default); where ``"auto"`` or
-            ``"symm_mem"`` use symmetric memory, perhaps lowered (``_symmetric_cap``).
+        bucket_cap_mb: DDP's bucket cap (25, DDP's default); with ``"symm_mem"`` lowered so
+            that DDP's buckets fit the largest size it reduces through symmetric memory.
         algorithm: ``"nccl"`` (DDP as it is), ``"auto"`` (per bucket, NCCL or the symmetric
             algorithm the measured table of :mod:`recpipe.ops.all_reduce_table` shows faster
             for its size: a symmetric one only where the upper end of its latency ratio's 95%
@@ -206,33 +191,21 @@ class BucketedAllReduce(DefaultDataParallelWrapper):
     def _symmetric_cap(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> int:
         """DDP's bucket cap in bytes where ``algorithm`` sends buckets through symmetric memory
         (which this enables for ``group``); 0 where none would go through it (DDP then runs
-        unchanged). DDP closes a bucket at the first grad that takes it to the cap, so a bucket
-        exceeds the cap by up to one grad less a byte: under ``most - g + 1``, with ``g`` the
-        largest grad that fits ``most``, the largest size reduced through symmetric memory, every
-        bucket fits. ``"symm_mem"`` takes that cap. ``"auto"`` takes, of DDP's own cap and one
-        such cap per grad size that fits, the one whose buckets cost least by the measured
-        table's latencies summed (:func:`~recpipe.ops.all_reduce.estimate_us`: a split adds a
-        collective, and latency grows slower than size), if some bucket then goes through
-        symmetric memory."""
+        unchanged, without the hook). ``"auto"``: DDP's own cap, where the table sends one of
+        DDP's buckets through symmetric memory. ``"symm_mem"``: lowered so that every bucket
+        fits the largest size it reduces through symmetric memory: DDP closes a bucket at the
+        first grad that takes it to the cap, so a bucket exceeds the cap by up to one grad less
+        a byte, and the cap leaves room for the largest grad that fits (down to a bucket per
+        grad, where a grad is that size)."""
         if not self._enable_symmetric_memory(group, device):
             return 0
-        grads = _dense_grads(module)
-        most = {d: symmetric_max_bytes(d, device, group, self.algorithm) for d in grads}
-        fitting = {d: [b for b in sizes if b <= most[d]] for d, sizes in grads.items()}
-        if self.algorithm == "symm_mem":
-            return min((most[d] - max(f) + 1 for d, f in fitting.items() if f), default=0)
-        choose = partial(choose_algorithm, device=device, group=group, algorithm=self.algorithm)
-
-        def cost(cap: int) -> tuple[float, int]:
-            """Summed latency estimate of the buckets at ``cap``, and how many are symmetric."""
-            buckets = [(b, d) for d, sizes in grads.items() for b in _ddp_buckets(sizes, cap)]
-            return (sum(estimate_us(b, d, group) or 0.0 for b, d in buckets),
-                    sum(choose(b, d) != "nccl" for b, d in buckets))
-
-        own = self.bucket_cap_bytes
-        caps = {own} | {min(own, most[d] - g + 1) for d, f in fitting.items() for g in f}
-        best = min(caps, key=lambda cap: (cost(cap)[0], -cap))
-        return best if cost(best)[1] else 0
+        if self.algorithm == "auto":
+            choose = partial(choose_algorithm, device=device, group=group, algorithm="auto")
+            own = self.bucket_cap_bytes
+            return own if any(choose(b, d) != "nccl" for b, d in _ddp_buckets(module, own)) else 0
+        grads = _ddp_buckets(module, 1)  # (a bucket per grad)
+        most = {d: symmetric_max_bytes(d, device, group, self.algorithm) for _, d in grads}
+        return min((most[d] - b + 1 for b, d in grads if b <= most[d]), default=0)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         group = env.process_group

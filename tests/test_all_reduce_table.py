@@ -105,15 +105,6 @@ def test_outside_the_measurements_is_nccl() -> None:
     assert _choices(table, [2 * K], torch.float32) == ["nccl"]  # a dtype not measured
 
 
-def test_the_estimate_is_the_chosen_algorithms_latency_between_and_beyond_the_sizes() -> None:
-    """Linear between measured sizes, the smallest's below them, in proportion above them; by
-    the algorithm ``choose`` picks there (two-shot at 2-4 KiB; NCCL at 8 KiB and outside)."""
-    table = _table([2 * K, 4 * K, 8 * K], nccl=[10, 20, 40], two_shot=[5, 10, 80])
-    assert [table.estimate_us(n, torch.bfloat16) for n in (K, 2 * K, 3 * K, 8 * K, 16 * K)] == [
-        10, 5, 7.5, 40, 80]
-    assert table.estimate_us(2 * K, torch.float32) is None  # a dtype not measured
-
-
 def test_cache_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("RECPIPE_ALL_REDUCE_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

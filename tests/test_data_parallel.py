@@ -146,13 +146,17 @@ def _plan_after_rebuild(wrapper: BucketedAllReduce, dmp: DistributedModelParalle
     return [(b // M, a) for b, a in wrapper.plan()]
 
 
-def test_ddp_buckets_are_the_reducers() -> None:
-    """``_ddp_buckets`` against DDP's own assignment (``dist._compute_bucket_assignment_by_size``)."""
-    sizes = [4 * M, 4096, 16 * M, 4, 3 * M, 64 * M, 4096, 5 * M]
-    tensors = [torch.empty(b // 4) for b in sizes]
-    for cap in (1, 4 * M, 8 * M + 1, 25 * M, 1 << 40):
-        indices, _ = dist._compute_bucket_assignment_by_size(tensors, [cap], [False] * len(sizes))
-        assert _ddp_buckets(sizes, cap) == [sum(sizes[i] for i in bucket) for bucket in indices], cap
+def test_ddp_buckets_are_the_ones_ddp_rebuilds(local_group: dist.ProcessGroup) -> None:
+    """``_ddp_buckets`` (DDP's assignment over the parameters in reverse order) gives the buckets
+    DDP rebuilds in backward's order (4 MiB grads, then a 16 MiB one, under a 5 MiB cap)."""
+    wrapper = BucketedAllReduce(bucket_cap_mb=5)
+    dmp = _dense_dmp(wrapper, local_group, first=(4096, 1024))
+    ddp = dmp._dmp_wrapped_module
+    for _ in range(4):  # (DDP's static graph logs its rebuilt buckets at the 4th forward)
+        dmp(torch.ones(2, 4096)).sum().backward()
+    rebuilt = [int(b) for b in ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", ")]
+    assert [b for b, _ in _ddp_buckets(ddp.module, 5 * M)] == rebuilt
+    assert len(rebuilt) > 2
 
 
 @pytest.mark.usefixtures("symmetric_h200")
@@ -169,11 +173,10 @@ def test_symm_mem_buckets_fit_the_largest_size_it_reduces(local_group: dist.Proc
 
 
 @pytest.mark.usefixtures("symmetric_h200")
-def test_auto_splits_buckets_only_where_the_table_says_it_pays(local_group: dist.ProcessGroup) -> None:
-    """``auto`` on the shipped H200 table: 20 MiB of grads stay one 25 MiB-capped bucket
-    (NCCL at 20 MiB, 110.9 us, beats two-shot at 12 and 8 MiB, 114.8 us summed): DDP as it
-    is, no hook; with 12 MiB, DDP's one bucket goes two-shot (hook, DDP's cap); a grad of exactly
-    16 MiB (the largest symmetric size) does not make the cap 1 byte (a bucket per grad)."""
+def test_auto_keeps_ddps_buckets_with_the_hook_where_one_goes_symmetric(local_group: dist.ProcessGroup) -> None:
+    """``auto`` on the shipped H200 table keeps DDP's 25 MiB cap: 20 MiB of grads, one NCCL
+    bucket, DDP as it is (no hook); 12 MiB, one bucket that goes two-shot (the hook); a 16 MiB
+    grad (the largest symmetric size) does not make the cap a bucket per grad."""
     wrapper, dmp = _wrapped("auto", local_group)
     assert wrapper.hook is None and dmp._dmp_wrapped_module.bucket_bytes_cap == 25 * M
     wrapper, dmp = _wrapped("auto", local_group, layers=3)

@@ -91,8 +91,7 @@ class PipelineConfig:
     # recpipe's BucketedAllReduce, torchrec's DDP wrapper with a communication hook: nccl is DDP
     # itself; symm_mem sends every bucket it can through symmetric memory; auto: per bucket, the
     # faster of NCCL and the symmetric algorithms in the machine's measured table
-    # (recpipe.ops.all_reduce_table), NCCL where nothing was measured; DDP's buckets, unless the
-    # table says smaller ones that fit symmetric memory are faster
+    # (recpipe.ops.all_reduce_table), NCCL where nothing was measured; DDP's own buckets
     dense_allreduce: str = _key("ddp", "dense-gradient all-reduce: ddp (torchrec's) | nccl | "
                                        "symm_mem (CUDA, one node) | auto (the fastest measured)")
 
