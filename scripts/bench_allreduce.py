@@ -1,6 +1,7 @@
 """Dense all-reduce latency: NCCL (c10d) vs symmetric memory one-shot and two-shot (eager and
-compiled) vs recpipe's default (``algorithm="auto"``); ``--write-table`` keeps the measurements
-as this machine's all-reduce table (``recpipe.ops.all_reduce_table``), which ``"auto"`` reads.
+compiled) vs ``BucketedAllReduce(algorithm="auto")``'s choice; ``--write-table`` keeps the
+measurements as this machine's all-reduce table (``recpipe.ops.all_reduce_table``), which
+``"auto"`` reads.
 
     torchrun --nproc-per-node=2 scripts/bench_allreduce.py                 # 2 GPUs
     torchrun --nproc-per-node=2 scripts/bench_allreduce.py --write-table   # ... and keep the table
