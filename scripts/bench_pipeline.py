@@ -9,7 +9,8 @@ state or model leaks from one run into the next): ``--warmup`` steps, then ``--s
 steps. The data is made once per rank and cached under ``--data-dir``. Per step: CUDA events on
 the main stream around ``progress()``, and the host's time in it and in its input-dist wait
 (where torchrec reads the splits). Per run: peak allocated/reserved
-(``torch.cuda.max_memory_*``), allocator retries. The table (rank
+(``torch.cuda.max_memory_*``), allocator retries, and in the ``--json`` file the dense part's
+DDP buckets (bytes and all-reduce: :func:`dense_buckets`). The table (rank
 0's numbers) shows medians over the runs with min-max; losses of every run are checked equal
 across pipelines. The title gives the bytes of one batch's permuted KJTs on this rank (the input
 KJTs, all features kept). With ``--time-limit``, no run starts that would end after the limit
@@ -81,9 +82,9 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     reads the splits, so waits for data_dist's work queued before them).
     ``prof``: a torch.profiler.profile with a schedule, stepped once per step."""
     cuda = device.type == "cuda"
-    dense = DENSE_ALLREDUCE.get(name)
+    wrapper = DENSE_ALLREDUCE[name]() if name in DENSE_ALLREDUCE else None
     model, optimizer = build_sharded(spec, sharding, device, dist.group.WORLD, seed=1,
-                                     data_parallel=dense() if dense else None)
+                                     data_parallel=wrapper)
     pipeline = PIPELINES[name](model, optimizer, device)
     it = iter(islice(cycle(data), warmup + steps))
     losses, times, allocated, reserved, host_ms, wait_ms = [], [], [], [], [], []
@@ -117,7 +118,7 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
     if not cuda:
         return dict(ms=[t * 1e3 for t in times], losses=[x.item() for x in losses], alloc=0,
                     reserved=0, retries=0, growth=0, reserved_per_step=[], ring=0, seen=seen,
-                    host_ms=host_ms, wait_ms=wait_ms)
+                    host_ms=host_ms, wait_ms=wait_ms, dense_buckets=dense_buckets(model, wrapper))
     torch.cuda.synchronize()
     mid = warmup + steps // 2
     return dict(
@@ -135,7 +136,22 @@ def run_once(name, spec, sharding, device, data, warmup, steps, prof=None) -> di
         growth=(allocated[-3] - allocated[mid]) / 2**20,
         reserved_per_step=reserved,
         sanitizer=sanitizer_on(),
+        dense_buckets=dense_buckets(model, wrapper),
     )
+
+
+def dense_buckets(model: torch.nn.Module, wrapper: object) -> list[list]:
+    """The dense part's DDP buckets at the end of a run, ``[bytes, all-reduce]`` each: the
+    hook's plan where ``BucketedAllReduce`` registered one, else DDP's rebuilt buckets (its own
+    NCCL all-reduce); none without DDP."""
+    if getattr(wrapper, "hook", None) is not None:
+        return [list(bucket) for bucket in wrapper.plan()]
+    ddp = getattr(model, "_dmp_wrapped_module", None)
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        return []
+    data = ddp._get_ddp_logging_data()
+    sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+    return [[int(b), "nccl"] for b in sizes.split(", ") if b]
 
 
 def child(a: argparse.Namespace) -> None:
