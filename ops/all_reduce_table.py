@@ -119,15 +119,15 @@ class Latencies:
             return self.ci[algorithm][i][1]
         return self.us[algorithm][i] / self.us["nccl"][i]
 
-    def choose(self, nbytes: int, margin: float = MARGIN) -> str:
+    def choose(self, nbytes: int) -> str:
         """The symmetric algorithm with the best worst :meth:`ratio_bound` over the bracket of
-        ``nbytes``, if that is at most ``1 - margin``; else ``"nccl"``."""
+        ``nbytes``, if that is at most ``1 - MARGIN``; else ``"nccl"``."""
         at = self.bracket(nbytes)
 
         def worst(algorithm: str) -> float:
             return max(self.ratio_bound(algorithm, i) for i in at)
 
-        wins = [a for a in SYMMETRIC if a in self.us and worst(a) <= 1 - margin] if at else []
+        wins = [a for a in SYMMETRIC if a in self.us and worst(a) <= 1 - MARGIN] if at else []
         return min(wins, key=worst, default="nccl")
 
 

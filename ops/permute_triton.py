@@ -229,7 +229,7 @@ def _launch(
     this order, without Triton's JIT dispatch after the first launch.
 
     ``JITFunction.run`` binds the arguments, computes their specialization and looks up its
-    caches on every call (10-30 us of host time). Here the ``CompiledKernel`` that a JIT launch
+    caches on every call, host time on every launch. Here the ``CompiledKernel`` that a JIT launch
     returns is kept under a key holding everything Triton specializes on: the device, each
     pointer's dtype and 16-byte alignment (inputs may be views at any offset), each size's
     integer type and its ``== 1`` and ``% 16`` (ignored by Triton for ``do_not_specialize``

@@ -51,9 +51,9 @@ class HighWater:
     """Sizes for allocations that recur once per batch at one place (a hashable key): the
     largest number of elements asked there so far, with 1/64 more each time it grows.
 
-    Why: batch sizes vary a little (the large config's KJTs by about 1 MiB in 1 GiB). With exact
-    sizes, the block that one batch's tensor freed is a little too small for the next batch's,
-    so the caching allocator takes a new segment, and the pool keeps both (one extra
+    Why: batch sizes vary a little from batch to batch. With exact sizes, the block that one
+    batch's tensor freed is a little too small for the next batch's, so the caching allocator
+    takes a new segment, and the pool keeps both (one extra
     batch-sized segment per pool; docs/design.md). With equal sizes each freed block fits the
     next batch's tensor. Cost: up to 1/64 more bytes per tensor, and a larger size is kept
     after a larger batch."""

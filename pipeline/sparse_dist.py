@@ -173,12 +173,12 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         self.plan: MemoryPlan = plan
         self._bucketized = facts.bucketized
         self._use_ring = plan.p1 in ("ring", "split_ring")
-        self.uses_split_permute = plan.p1 == "split_ring"
-        if self.uses_split_permute:
+        self._split_p1 = plan.p1 == "split_ring"
+        if self._split_p1:
             self._side = torch.cuda.Stream(self._device, priority=-1) if cuda else None
             self._values_done: dict[int, list[SideWrite]] = {}
         stale = stale_index_refs(self._model)
-        self._ring = BufferRing(main, 2 if self.uses_split_permute else 3, stale_refs=stale)
+        self._ring = BufferRing(main, 2 if self._split_p1 else 3, stale_refs=stale)
         several = world > 1
         # recat="ring": P2's outputs in one pipeline slot (empty otherwise); the next batch's P2
         # runs in its forward, queued after this batch's backward, whose end releases the slot
@@ -313,7 +313,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._permuted.learned(context.index, self._data_dist_stream)
         if not free:
             return
-        if not self.uses_split_permute:
+        if not self._split_p1:
             self._release_inputs(context.index, inputs)
             return
         served = None  # the side stream reads them: after data_dist's wait for it, but
@@ -495,7 +495,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._main.wait_event(sent)  # main's pool: next allocations after the all-to-all
 
     def _ring_runner(self, batch_index: int) -> Runner:
-        if self.uses_split_permute:
+        if self._split_p1:
             done = self._values_done.setdefault(batch_index, [])
             return self._ring.split_runner(batch_index, self._side, done)
         return write_into(self._ring.allocator(batch_index))
@@ -560,7 +560,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             self._p2_moved_said = True
             warnings.warn("recpipe: a later pipeline's clear_data_dist_inputs=True moved P2 to main "
                           "for the process (torchrec's flag): the recat placement stops acting")
-        if self.uses_split_permute:  # the splits are read: now data_dist needs the values
+        if self._split_p1:  # the splits are read: now data_dist needs the values
             for write in self._values_done.pop(context.index, []):  # none on CPU
                 self._data_dist_stream.wait_event(write.event)  # then its inputs may go
             self._release_inputs(context.index, *self._releasable.pop(context.index, ([], None)))

@@ -46,8 +46,8 @@ from recpipe.testing.synthetic import ModelSpec, build_sharded, deterministic_ke
 def sanitizer_on() -> bool:
     """Whether torch's CUDA sanitizer runs (``TORCH_CUDA_SANITIZER=1`` imports and enables it).
     Never imports ``torch.cuda._sanitizer``: the import alone turns on torch's GPU trace, a Python
-    callback on every CUDA allocation, event and stream sync (torch 2.11-2.14), which made this
-    script's host-bound runs 2-5x slower per step until 2026-11-26."""
+    callback on every CUDA allocation, event and stream sync (torch 2.11-2.14), which slows
+    host-bound runs severalfold."""
     module = sys.modules.get("torch.cuda._sanitizer")
     return module is not None and bool(module.cuda_sanitizer.enabled)
 

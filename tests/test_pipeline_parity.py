@@ -115,7 +115,7 @@ def _train(
         if name == "recpipe":
             out["redirected"] = asdict(pipeline.stats)
             out["ring_replaced"] = pipeline.ring_replaced
-            out["split"] = pipeline.uses_split_permute
+            out["split"] = pipeline.plan.p1 == "split_ring"
             out["device"] = device.type
             out["redirecting"] = pipeline.redirecting
             out["ring_nbytes"] = pipeline.ring_nbytes

@@ -121,17 +121,16 @@ def data_identity(data: DataConfig, known: DataIdentity | None = None) -> DataId
     None for generated data, which its config keys (:func:`identity`) decide, and for files
     that cannot be read (the source says why, when it is made).
 
-    Hashing costs a pass over the bytes (MovieLens-100k's 0.7 MB: milliseconds; Criteo's 11 GB:
-    some seconds, as criteo_tsv's own line count), so a run hashes once (rank 0, when its
-    checkpoint directory opens; :class:`CheckpointDir` keeps it for every save), and the
-    checkpoint is the cache: ``known``, the identity the checkpoint to resume recorded, is taken
-    as it is while every file's stat key is the one recorded. Any write or replacement changes
-    that key: a replaced file has a new inode, and the ctime moves on every write, rename or
-    chmod, which no user can set back (``touch -d`` and ``cp -p`` set the mtime only). So a
-    resume on unchanged data reads no byte of it, and no cache file can go stale: none is kept
-    beside the data (a read-only directory; in a Criteo directory every visible file is read)
-    or anywhere else. A file copied elsewhere, or only touched, is hashed again and, holding
-    the same bytes, resumes."""
+    Hashing costs a pass over the bytes (as criteo_tsv's own line count), so a run hashes once
+    (rank 0, when its checkpoint directory opens; :class:`CheckpointDir` keeps it for every
+    save), and the checkpoint is the cache: ``known``, the identity the checkpoint to resume
+    recorded, is taken as it is while every file's stat key is the one recorded. Any write or
+    replacement changes that key: a replaced file has a new inode, and the ctime moves on every
+    write, rename or chmod, which no user can set back (``touch -d`` and ``cp -p`` set the mtime
+    only). So a resume on unchanged data reads no byte of it, and no cache file can go stale:
+    none is kept beside the data (a read-only directory; in a Criteo directory every visible
+    file is read) or anywhere else. A file copied elsewhere, or only touched, is hashed again
+    and, holding the same bytes, resumes."""
     try:
         files = data_files(data)
         if files is None:

@@ -2,7 +2,7 @@
 (Hydra config). ``recpipe-train`` (the console script), ``python -m recpipe.train`` and, in a
 source checkout, ``python scripts/train.py`` run :func:`main`:
 
-    recpipe-train                                              # 1 CPU process (gloo), ~15 s
+    recpipe-train                                              # 1 CPU process (gloo)
     recpipe-train pipeline=torchrec trainer.steps=100
     recpipe-train trainer.resume=true trainer.checkpoint_dir=DIR    # continue a run
     recpipe-torchrun --standalone --nproc-per-node=2 -m recpipe.train hardware=cuda
@@ -18,7 +18,7 @@ Exit status and what is printed (rank 0, on stderr), from the first import on:
 
 - 1, one line ``error: ...``: a usage problem (a key or value Hydra cannot compose, a bad value,
   an option this machine cannot run, a checkpoint or output directory that cannot be used as
-  asked, a diverged loss); a config error fails before torch is imported (in about 1 s).
+  asked, a diverged loss); a config error fails before torch is imported.
 - 1, one line ``error: ...`` naming the command that installs what is missing: Hydra or another
   package of the ``train`` extra (``pip install 'recpipe[train]'``), torchrec (on CPU and GPU).
 - 1, one line ``error: ...`` naming a log file with the traceback: any other exception,

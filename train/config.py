@@ -5,7 +5,7 @@ key; :func:`unknown_key` finds those ``+key=value`` adds, which Hydra lets throu
 :func:`validate` checks values (``steps > 0``...) and what this machine can run (CUDA, row-wise
 sharding) before torchrec is called, raising :class:`UsageError` with one line that names the
 key and what to do. This module imports neither torch nor torchrec, and a bad value
-fails before :func:`validate` imports them: a config error takes about 1 s, torch alone 3.
+fails before :func:`validate` imports them, so it is reported before torch's slow import.
 
 Each key's one-line help is its dataclass field's ``help`` metadata (:func:`_key`), which
 ``--help`` prints (:func:`help_text`): the one place a key is documented.
@@ -282,7 +282,7 @@ def _validate_resume(t: TrainerConfig) -> None:
 def _validate_hardware(cfg: TrainConfig) -> None:
     """Options this machine (or torchrec 1.8) cannot run, before torchrec is called. Imports
     torch for ``hardware=cuda`` only, and checks the node layout last: its module loads
-    torchrec (3 s), which only a config valid so far waits for."""
+    torchrec (slow to import), which only a config valid so far waits for."""
     if cfg.pipeline.dense_allreduce == "symm_mem" and cfg.hardware.device != "cuda":
         raise UsageError("pipeline.dense_allreduce=symm_mem needs hardware=cuda")
     if cfg.hardware.device == "cuda" and cfg.hardware.backend != "nccl":

@@ -26,7 +26,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch loads in 3 s: imported by main()
+if TYPE_CHECKING:  # torch is slow to import: imported by main()
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 #: set for the ranks: how the training command names this launcher in a resume command

@@ -312,7 +312,7 @@ class _Trainer:
         self.source: DataSource = make_source(cfg)
         allreduce = cfg.pipeline.dense_allreduce
         data_parallel = None  # torchrec's DDP
-        if allreduce != "ddp":  # imported here: it loads inductor (2 s), for these runs only
+        if allreduce != "ddp":  # imported here: it loads inductor, for these runs only
             from recpipe.pipeline.data_parallel import BucketedAllReduce
 
             node_local = group_is_node_local(self.layout, dist.group.WORLD)
