@@ -53,10 +53,9 @@ class HighWater:
 
     Why: batch sizes vary a little from batch to batch. With exact sizes, the block that one
     batch's tensor freed is a little too small for the next batch's, so the caching allocator
-    takes a new segment, and the pool keeps both (one extra
-    batch-sized segment per pool; docs/design.md). With equal sizes each freed block fits the
-    next batch's tensor. Cost: up to 1/64 more bytes per tensor, and a larger size is kept
-    after a larger batch."""
+    takes a new segment, and the pool keeps both (one extra batch-sized segment per pool;
+    docs/design.md). With equal sizes each freed block fits the next batch's tensor. Cost: up to
+    1/64 more bytes per tensor, and a larger size is kept after a larger batch."""
 
     def __init__(self) -> None:
         self._numel: dict[Hashable, int] = {}

@@ -20,8 +20,9 @@ workers of the multi-GPU tests (they re-run this file as their main module), the
 import from DIR; in recpipe's run, importing them first rebinds TrainPipelineSparseDist in
 torchrec.distributed, torchrec.distributed.train_pipeline and its train_pipelines module to
 recpipe's class, so the tests import and build recpipe's (a line per run shows the torchrec it
-imported and where the name points). torchrec's subclasses (PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync, ...) still
-derive from torchrec's class: only tests that build TrainPipelineSparseDist itself test recpipe.
+imported and where the name points). torchrec's subclasses (PrefetchTrainPipelineSparseDist,
+TrainPipelineSemiSync, ...) still derive from torchrec's class: only tests that build
+TrainPipelineSparseDist itself test recpipe.
 Hypothesis runs derandomized without its example database, so both runs draw the same examples.
 
 Then a table of each test's outcome per pipeline. Exit status: 1 where a test's outcome differs
