@@ -1,5 +1,7 @@
-"""The pipelines a benchmark can run, by name, each built only from public switches (torchrec's
-constructor options, recpipe's ``memory_plan`` and ``min_batch_bytes``): ``PIPELINES[name](model, optimizer, device)``.
+"""The pipelines a benchmark can run, by name: ``PIPELINES[name](model, optimizer, device)``. Each
+is built from public switches (torchrec's constructor options, recpipe's ``memory_plan`` and
+``min_batch_bytes``), but the ablations, which set one placement through the pipeline's private
+``_placements``.
 
 Anchors: ``torchrec`` (``TrainPipelineSparseDist``, the time anchor), ``torchrec_base``
 (``TrainPipelineBase``: no overlap, the memory floor), ``torchrec_lite``
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import inspect
 from collections.abc import Callable
+from dataclasses import fields
 
 import torchrec
 from torchrec.distributed.train_pipeline import TrainPipelineBase
@@ -21,12 +24,18 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 
 from recpipe.pipeline import MemoryPlan
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
+from recpipe.pipeline.plan import Placements
 from recpipe.pipeline.data_parallel import BucketedAllReduce
 
 
 def _variant(name: str, min_batch_bytes: int | None = None, **plan: str) -> type[RecpipePipeline]:
-    """recpipe's pipeline with the memory plan's fields ``plan`` set (and ``min_batch_bytes``)."""
-    attrs: dict[str, object] = {"memory_plan": MemoryPlan(**plan)}
+    """recpipe's pipeline with the fields ``plan`` set (and ``min_batch_bytes``): the user's
+    (:class:`MemoryPlan`'s) in ``memory_plan``, the others in the private ``_placements``."""
+    public = {f.name for f in fields(MemoryPlan)}
+    attrs: dict[str, object] = {
+        "memory_plan": MemoryPlan(**{k: v for k, v in plan.items() if k in public}),
+        "_placements": Placements(**{k: v for k, v in plan.items() if k not in public}),
+    }
     if min_batch_bytes is not None:
         attrs["min_batch_bytes"] = min_batch_bytes
     return type(name, (RecpipePipeline,), attrs)

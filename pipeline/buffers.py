@@ -9,11 +9,12 @@ Two allocators for :class:`recpipe.kjt.PermuteInto`, one per permute site (docs/
   :class:`AllToAllOutputs` sizes the all-to-all outputs (P2's inputs, data_dist's pool) by
   :class:`HighWater`: equal sizes from batch to batch, so that freed blocks fit.
 - :class:`BufferRing` (P1, the feature-order permute in ``input_dist``; with ``recat="ring"``,
-  P2 too, one slot): pipeline-owned buffers, one slot per batch in flight. A slot is written only after an event recorded on main at the
-  end of the step that last used it. Whole permute (3 slots): written on data_dist, the step
-  that last used the slot was queued a step earlier, so the wait costs nothing and no host sync
-  on data_dist waits for main's queued work. Split permute (:meth:`BufferRing.split_runner`,
-  2 slots, values/weights only): written on a side stream, which alone waits for the slot.
+  P2 too, one slot): pipeline-owned buffers, one slot per batch in flight, written only after an
+  event recorded on main at the end of the step that last used it. Whole permute (3 slots):
+  written on data_dist; that step was queued a step earlier, so the wait costs nothing and no
+  host sync on data_dist waits for main's queued work. Split permute
+  (:meth:`BufferRing.split_runner`, 2 slots, values/weights only): written on a side stream,
+  which alone waits for the slot.
 
 And one for the host-to-device copy (:class:`CopyRing`): pipeline-owned memory for the batch
 tensors that the input dists alone read, reused once data_dist has queued those reads.

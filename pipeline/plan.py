@@ -5,8 +5,9 @@ is input-distributed (data_dist stream), batch i is computed (main stream). Each
 tensor of that path is written on one stream, read on others, and its memory may be written
 again only after its last reader; torchrec leaves that to ``record_stream``, which keeps every
 block until the reader's queued work is done, so each pool holds one batch more than needed.
-:class:`MemoryPlan` names one placement per tensor; :func:`resolve` fills in the defaults for a
-model, and the pipeline (:mod:`recpipe.pipeline.sparse_dist`) follows it:
+:class:`Placements` names one placement per tensor; :func:`resolve` fills in the defaults for a
+model and the user's :class:`MemoryPlan`, and the pipeline (:mod:`recpipe.pipeline.sparse_dist`)
+follows it:
 
 ============  ===========  ==============  ===========  ===================================
 tensor        written on   read on         by batch     placement: memory reused when
@@ -58,7 +59,7 @@ permute's small lengths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal, get_args
 
 Inputs = Literal["fresh", "ring", "permuted"]
@@ -76,10 +77,19 @@ _COPIED_IN_ORDER = frozenset({"table_wise", "column_wise", "table_column_wise", 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """One placement per batch-sized tensor of the input path (module docstring); None: the
-    default for the model (:func:`resolve`). ``free_inputs=False`` is for a model whose forward
-    reads the sparse features outside the sharded modules; ``input_dist="after_forward"`` trades
-    time for memory on row-wise plans."""
+    """The user's choices, each None for the model's default (:func:`resolve`; README): keep the
+    inputs (``free_inputs=False``) for a forward that reads them outside the sharded modules;
+    ``input_dist="after_forward"`` trades step time for memory on row-wise plans."""
+
+    free_inputs: bool | None = None
+    input_dist: InputDist | None = None
+
+
+@dataclass(frozen=True)
+class Placements:
+    """One placement per batch-sized tensor of the input path (module docstring), chosen for the
+    model: the resolved plan (``pipeline.plan``). Not a product option: a field set in the
+    pipeline's private ``_placements`` replaces the choice (tests on CPU, ablations)."""
 
     inputs: Inputs | None = None
     free_inputs: bool | None = None
@@ -110,14 +120,18 @@ class Facts:
         return any(t == "grid_shard" or "row_wise" in t for t in self.types)
 
 
-def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
-    """``plan`` with every None replaced by the default for ``facts``; a value that does not
-    work there is a one-line ``ValueError`` that names the fix."""
-    for f in fields(MemoryPlan):
-        value = getattr(plan, f.name)
-        if value is not None and (value not in _CHOICES[f.name] or type(value) is int):
-            choices = ", ".join(repr(c) for c in _CHOICES[f.name])
-            raise ValueError(f"MemoryPlan.{f.name} must be one of {choices} or None (auto), got {value!r}")
+def resolve(user: MemoryPlan, facts: Facts, chosen: Placements = Placements()) -> Placements:
+    """The placements for ``facts``: the user's fields, then ``chosen``'s, then the defaults; a
+    value that does not work there is a one-line ``ValueError`` that names the fix."""
+    for given in (user, chosen):
+        for f in fields(given):
+            value = getattr(given, f.name)
+            if value is not None and (value not in _CHOICES[f.name] or type(value) is int):
+                choices = ", ".join(repr(c) for c in _CHOICES[f.name])
+                raise ValueError(f"{type(given).__name__}.{f.name} must be one of {choices} or "
+                                 f"None (auto), got {value!r}")
+    plan = replace(chosen, **{f.name: getattr(user, f.name) for f in fields(user)
+                              if getattr(user, f.name) is not None})
     world, cuda = facts.world, facts.cuda
     # only the pipeline's own copies are freed; on CPU ``to()`` copies nothing
     free = cuda and plan.free_inputs is not False
@@ -130,7 +144,7 @@ def resolve(plan: MemoryPlan, facts: Facts) -> MemoryPlan:
     problem = problem or _several_ranks_problem(plan, facts)
     if problem:
         raise ValueError(f"MemoryPlan: {problem}; leave it None")
-    return MemoryPlan(inputs, free, p1, received, plan.recat or _default_recat(facts, received),
+    return Placements(inputs, free, p1, received, plan.recat or _default_recat(facts, received),
                       input_dist)
 
 
@@ -162,7 +176,7 @@ def _p1_problem(p1: FeaturePermute, facts: Facts) -> str | None:
     return None
 
 
-def _several_ranks_problem(plan: MemoryPlan, facts: Facts) -> str | None:
+def _several_ranks_problem(plan: Placements, facts: Facts) -> str | None:
     """A placement of the all-to-all's tensors chosen where they are not intercepted."""
     if facts.world == 1:
         for name in ("received", "recat", "input_dist"):

@@ -67,7 +67,7 @@ from recpipe.pipeline.buffers import (
     padded_allocator,
 )
 from recpipe.pipeline.permuted_copy import PermutedCopy
-from recpipe.pipeline.plan import Facts, MemoryPlan, resolve
+from recpipe.pipeline.plan import Facts, MemoryPlan, Placements, resolve
 from recpipe.pipeline.compat import (
     all_to_all_awaitables,
     all_to_all_input,
@@ -84,12 +84,11 @@ from recpipe.pipeline.compat import (
 
 @dataclass
 class PipelineStats(RedirectStats):
-    """Counts since the pipeline was made: the permutes redirected at P1 (``input_dist``) and P2
-    (``dist_init``) and the torch calls the interception saw (``seen``); all-to-alls whose sent
-    inputs were given back a step early (``released``); bytes of input KJTs freed early
-    (``inputs_freed_bytes``); all-to-all outputs sized to their high-water mark
-    (``outputs_sized``); batches copied in P1's order (``permuted_copies``); input dists started
-    after the forward (``late_input_dists``)."""
+    """Counts since the pipeline was made: permutes redirected at P1 (``input_dist``) and P2
+    (``dist_init``), torch calls the interception saw (``seen``), all-to-alls whose sent inputs
+    went a step early (``released``), bytes of input KJTs freed early (``inputs_freed_bytes``),
+    all-to-all outputs sized to their high-water mark (``outputs_sized``), batches copied in P1's
+    order (``permuted_copies``), input dists started after the forward (``late_input_dists``)."""
 
     released: int = 0
     inputs_freed_bytes: int = 0
@@ -105,16 +104,18 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     ``clear_data_dist_inputs`` are not in torchrec 1.6, ``async_inplace_copy`` needs 1.9).
     """
 
-    #: Where each batch-sized tensor of the input path lives; a field left None takes the
-    #: model's default (:func:`recpipe.pipeline.plan.resolve`; the resolved plan: ``plan``).
+    #: What the user chooses of the memory plan; a field left None takes the model's default
+    #: (:func:`recpipe.pipeline.plan.resolve`; the resolved placements: ``plan``).
     memory_plan: MemoryPlan = MemoryPlan()
+    # placements chosen over the model's defaults: tests and ablations, not a product option
+    _placements: Placements = Placements()
     #: Act only where it pays: below this many bytes of the first batch's P1 inputs (the input
     #: KJTs that the pipelined modules' input dists permute), the plan saves less memory than its
     #: host time is worth. Then at world size 1 the pipeline runs torchrec's code path from the
     #: next batch on (``redirecting`` False; where the first batch's whole copy is below it, from
     #: that batch on: no first use of recpipe's kernels), and at world size > 1, where the
-    #: all-to-all outputs are high-water sized, the high-water sizes, the permuted copy and,
-    #: unless ``recat`` is set, P2's placement turn off (torchrec's P2). 0: always act.
+    #: all-to-all outputs are high-water sized, the high-water sizes, the permuted copy and
+    #: P2's placement (unless ``_placements`` sets it) turn off (torchrec's P2). 0: always act.
     min_batch_bytes: int = 64 * 2**20
 
     def __init__(
@@ -167,10 +168,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             postproc=bool(getattr(self, "_pipeline_postproc", False)),
             p2_on_main=dist_init_on_main_stream(),
         )
-        plan = resolve(self.memory_plan, facts)
-        #: the resolved memory plan (``memory_plan`` with the model's defaults filled in); the
-        #: first batch may turn parts of it off (``min_batch_bytes``, ``redirecting``)
-        self.plan: MemoryPlan = plan
+        plan = resolve(self.memory_plan, facts, self._placements)
+        #: the resolved placements (``memory_plan`` with the model's defaults filled in); the
+        #: first batch may turn parts of them off (``min_batch_bytes``, ``redirecting``)
+        self.plan: Placements = plan
         self._bucketized = facts.bucketized
         self._use_ring = plan.p1 in ("ring", "split_ring")
         self._split_p1 = plan.p1 == "split_ring"
@@ -334,7 +335,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         if self._sizes_undecided and sizes:
             if not pays:
                 self._sent_sizes = self._received_sizes = self._permuted = None
-                self._redirect_dist_init &= self.memory_plan.recat is not None  # or torchrec's P2
+                self._redirect_dist_init &= self._placements.recat is not None  # or torchrec's P2
                 self._dist_init_runner = self._recat_runner()
             self._sizes_undecided = False
         if self.redirecting is None:
@@ -347,16 +348,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         mark where the plan says (by default with row-wise tables, while the all-to-all outputs
         are sized), else exact (main's pool shares P2's blocks with the activations). Unused
         with ``"ring"`` (a runner per batch), ``"torchrec"`` and once P2's placement is off."""
-        chosen = self.memory_plan.recat is not None or self._received_sizes is not None
+        chosen = self._placements.recat is not None or self._received_sizes is not None
         sized = self.plan.recat == "high_water" and chosen and self._redirect_dist_init
         alloc = padded_allocator(HighWater(), by_call=False) if sized else allocate
         return write_into(main_stream_allocator(self._main, alloc))
-
-    def _recat_runner_of(self, index: int) -> Runner | None:
-        """Batch ``index``'s P2 runner where P2 writes into the recat ring (its k-th call into
-        the slot's k-th buffers), else None (the pipeline's ``_dist_init_runner``)."""
-        ring = self.plan.recat == "ring"
-        return write_into(self._recat_ring.allocator(index)) if ring else None
 
     def _before_recat(self, index: int, runner: Runner | None) -> None:
         """Before each P2 of batch ``index`` (in its forward): the batch the permuted copy learned
@@ -434,11 +429,10 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 self._copied[context.index] = made
             executor = async_copy_executor(self) if inplace else None
             if executor is not None:  # the worker allocates on this thread's current stream
-                consumer = torch.cuda.current_stream(self._device)  # (streams read here: a
-                # deferred input dist's start hides the memcpy stream while the worker runs)
-                return executor.submit(
-                    self._copy_on, consumer, self._memcpy_stream, batch, made
-                ), context
+                # (streams read here: a deferred input dist hides memcpy while the worker runs)
+                copy = partial(copy_batch, batch, self._device, self._memcpy_stream, made, inplace=True)
+                return executor.submit(_on_stream, torch.cuda.current_stream(self._device),
+                                       copy), context
             into = None
             if self._permuted is not None and not inplace:
                 into = self._permuted.destination(context.index)
@@ -450,15 +444,6 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         elif not self._execute_all_batches:
             raise StopIteration
         return batch, context
-
-    def _copy_on(
-        self, consumer: torch.cuda.Stream, memcpy: torch.cuda.Stream, batch: In,
-        made: list[torch.Tensor],
-    ) -> In:
-        """The in-place copy of ``batch`` on ``memcpy`` with ``consumer`` current (async worker
-        thread)."""
-        with torch.cuda.stream(consumer):
-            return copy_batch(batch, self._device, memcpy, made, inplace=True)
 
     def _release_sent_inputs(self, context: TrainPipelineContext) -> None:
         """Give back what batch ``context``'s all-to-alls sent (P1's output, a row-wise group's
@@ -484,7 +469,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
                 raise RuntimeError(
                     "recpipe: a batch's copy into the permuted copy's slot was needed before "
                     "the batch in the slot was sent (not torchrec's order of input dists); set "
-                    "inputs='fresh' in the memory_plan"
+                    "memory_plan = MemoryPlan(free_inputs=False) (torchrec's copies)"
                 )
             self._release_sent_inputs(context)
         stream = self._data_dist_stream if context is not None else self._main
@@ -506,26 +491,19 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         this pipeline's redirecting class (P1: their ``permute``); an instance attribute that
         shadows the class's method, removed on exit, as torchrec's own forward swap is (set in
         the instance ``__dict__``: ``nn.Module.__setattr__`` costs host time every step)."""
-        modules = list(self._pipelined_modules)
+        modules, permuted = list(self._pipelined_modules), self._permuted
         for module in modules:
+            # before it, the permuted copy learns whether this P1 may be planned (an
+            # EmbeddingBagCollection's: nothing else keeps P1's output)
+            plannable = None if permuted is None else partial(
+                setattr, permuted, "plannable", isinstance(module, ShardedEmbeddingBagCollection))
             vars(module)["input_dist"] = _with_kjt_type(
-                module.input_dist, self._kjt_type, self._permuted_inputs, self._sent_whole,
-                self._plannable(module),
-            )
+                module.input_dist, self._kjt_type, self._permuted_inputs, self._sent_whole, plannable)
         try:
             yield
         finally:
             for module in modules:
                 del vars(module)["input_dist"]
-
-    def _plannable(self, module: torch.nn.Module) -> Callable[[], None] | None:
-        """Before ``module``'s input dist: tell the permuted copy whether its P1 may be planned
-        (an EmbeddingBagCollection's: nothing else keeps P1's output)."""
-        permuted = self._permuted
-        if permuted is None:
-            return None
-        ok = isinstance(module, ShardedEmbeddingBagCollection)
-        return partial(setattr, permuted, "plannable", ok)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         late, self._late = self._late, None
@@ -550,7 +528,9 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
         learned = context.index in self._learned_from
         if (self._redirect_dist_init or learned) and not dist_init_on_main_stream():
             requests = context.input_dist_tensors_requests
-            runner, before = self._recat_runner_of(context.index), None
+            runner = before = None  # recat="ring": the k-th P2 into the slot's k-th buffers
+            if self.plan.recat == "ring":
+                runner = write_into(self._recat_ring.allocator(context.index))
             if runner is not None or learned:
                 before = partial(self._before_recat, context.index, runner)
             kjt_type = self._kjt_type if self._redirect_dist_init else None  # (None: torchrec's P2)
@@ -653,6 +633,12 @@ def _kept(main: torch.cuda.Stream | None, keep: list[PermuteBuffers]) -> Allocat
         return keep[-1]
 
     return kept
+
+
+def _on_stream(stream: torch.cuda.Stream, fn: Callable[[], In]) -> In:
+    """``fn()`` with ``stream`` current (torchrec's async copy worker: its allocations)."""
+    with torch.cuda.stream(stream):
+        return fn()
 
 
 def _nbytes(xs: Iterable[torch.Tensor | KeyedJaggedTensor]) -> int:

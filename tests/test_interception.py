@@ -19,7 +19,8 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as Torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recpipe
-from recpipe.pipeline import MemoryPlan, TrainPipelineSparseDist
+from recpipe.pipeline import TrainPipelineSparseDist
+from recpipe.pipeline.plan import Placements
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded
 
 STEPS = 8
@@ -34,11 +35,11 @@ def _is_recpipe_code(filename: str) -> bool:
 
 
 class RecatPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(recat="exact")  # P2 into main-stream buffers, also on CPU
+    _placements = Placements(recat="exact")  # P2 into main-stream buffers, also on CPU
 
 
 class RingPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(p1="split_ring")  # P1's ring, also on CPU (default: torchrec's P1)
+    _placements = Placements(p1="split_ring")  # P1's ring, also on CPU (default: torchrec's P1)
     min_batch_bytes = 0  # for every batch, however small
 
 
@@ -107,7 +108,7 @@ def _python_calls_per_step(rank: int, world: int, device: torch.device,
 
 class _CudaDefaults(TrainPipelineSparseDist):
     # as on CUDA (the all-to-all outputs' mode, P1 through recpipe's op),
-    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="exact")
+    _placements = Placements(p1="high_water", received="high_water", recat="exact")
     min_batch_bytes = 0  # for batches of any size
 
 

@@ -24,7 +24,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForwar
 from recpipe.pipeline import TrainPipelineSparseDist
 from recpipe.testing.launch import SHARED_GPU_ENV, rank_backend_device
 from recpipe.pipeline import MemoryPlan
-from recpipe.pipeline.plan import Facts
+from recpipe.pipeline.plan import Facts, Placements
 from recpipe.pipeline.sparse_dist import _sharding_types
 from recpipe.testing.synthetic import ModelSpec, batches, build_sharded, shard
 
@@ -40,7 +40,7 @@ GPU2 = rank_backend_device(0, 2)[1].type == "cuda"
 
 
 class RingEverywherePipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(p1="split_ring")  # world size 1: P1 into the ring on CPU too
+    _placements = Placements(p1="split_ring")  # world size 1: P1 into the ring on CPU too
     min_batch_bytes = 0  # for every batch, however small
 
 
@@ -49,24 +49,25 @@ class SmallBatchesPipeline(RingEverywherePipeline):
 
 
 class WholePermutePipeline(RingEverywherePipeline):
-    memory_plan = MemoryPlan(p1="ring")  # the whole P1 into the depth-3 ring (several ranks too)
+    _placements = Placements(p1="ring")  # the whole P1 into the depth-3 ring (several ranks too)
 
 
 class StableSizesPipeline(TrainPipelineSparseDist):
     # on CPU too, P2 into main-stream buffers
-    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="exact")
+    _placements = Placements(p1="high_water", received="high_water", recat="exact")
     min_batch_bytes = 0  # for every batch, however small
 
 
 class StableRecatSizesPipeline(StableSizesPipeline):
     # P2's outputs too (the default with row-wise tables)
-    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="high_water")
+    _placements = Placements(p1="high_water", received="high_water", recat="high_water")
 
 
 class LateInputDistPipeline(StableRecatSizesPipeline):
     # the next batch's input dist after the forward, and the copy's slot, whose order it changes
-    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="high_water",
-                             input_dist="after_forward", inputs="permuted")
+    memory_plan = MemoryPlan(input_dist="after_forward")
+    _placements = Placements(p1="high_water", received="high_water", recat="high_water",
+                             inputs="permuted")
 
 
 class LateInputDistOnSmallBatchesPipeline(TrainPipelineSparseDist):
@@ -75,7 +76,7 @@ class LateInputDistOnSmallBatchesPipeline(TrainPipelineSparseDist):
 
 
 class PermutedCopyPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(inputs="permuted")  # on CPU and with row-wise tables too
+    _placements = Placements(inputs="permuted")  # on CPU and with row-wise tables too
     min_batch_bytes = 0  # for every batch, however small
 
 
@@ -84,11 +85,11 @@ class ActOnSmallBatchesPipeline(TrainPipelineSparseDist):
 
 
 class MainRecatPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(recat="exact")  # P2 into main-stream buffers, on CPU too
+    _placements = Placements(recat="exact")  # P2 into main-stream buffers, on CPU too
 
 
 class RecatRingPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(recat="ring")  # P2's outputs in one pipeline slot per call
+    _placements = Placements(recat="ring")  # P2's outputs in one pipeline slot per call
     min_batch_bytes = 0  # every other placement at its default
 
 
@@ -189,25 +190,27 @@ def test_bad_min_batch_bytes_is_named(value: object) -> None:
 
 
 @pytest.mark.parametrize(
-    "plan, expected",
+    "name, plan, expected",
     [
-        (dict(inputs="no"), "MemoryPlan.inputs must be one of 'fresh', 'ring', 'permuted' or None "
-                            "(auto), got 'no'"),
-        (dict(free_inputs=1), "MemoryPlan.free_inputs must be one of True, False or None (auto), "
-                              "got 1"),
-        (dict(p1="split_ring"), "no error"),
-        (dict(p1="high_water"), "MemoryPlan: p1='high_water' needs world size > 1; leave it None"),
-        (dict(inputs="permuted"), "MemoryPlan: inputs='permuted' needs world size > 1 (no "
-                                  "all-to-all reads the values); leave it None"),
-        (dict(input_dist="after_forward"), "MemoryPlan: input_dist='after_forward' needs world "
-                                           "size > 1 (no all-to-all at one rank); leave it None"),
-        (dict(recat="ring"), "MemoryPlan: recat='ring' needs world size > 1 (no all-to-all at "
-                             "one rank); leave it None"),
-        (dict(inputs="fresh", free_inputs=False), "no error"),
+        ("_placements", Placements(inputs="no"), "Placements.inputs must be one of 'fresh', 'ring', "
+                                                 "'permuted' or None (auto), got 'no'"),
+        ("memory_plan", MemoryPlan(free_inputs=1), "MemoryPlan.free_inputs must be one of True, "
+                                                   "False or None (auto), got 1"),
+        ("_placements", Placements(p1="split_ring"), "no error"),
+        ("_placements", Placements(p1="high_water"), "MemoryPlan: p1='high_water' needs world size "
+                                                     "> 1; leave it None"),
+        ("_placements", Placements(inputs="permuted"), "MemoryPlan: inputs='permuted' needs world "
+                                                       "size > 1 (no all-to-all reads the values); "
+                                                       "leave it None"),
+        ("memory_plan", MemoryPlan(input_dist="after_forward"), "MemoryPlan: input_dist="
+         "'after_forward' needs world size > 1 (no all-to-all at one rank); leave it None"),
+        ("_placements", Placements(recat="ring"), "MemoryPlan: recat='ring' needs world size > 1 "
+                                                  "(no all-to-all at one rank); leave it None"),
+        ("memory_plan", MemoryPlan(free_inputs=False), "no error"),
     ],
 )
-def test_a_plan_that_does_not_work_is_named(plan: dict, expected: str) -> None:
-    (message,) = run_ranks(1, _with_switch, "memory_plan", MemoryPlan(**plan))
+def test_a_plan_that_does_not_work_is_named(name: str, plan: object, expected: str) -> None:
+    (message,) = run_ranks(1, _with_switch, name, plan)
     assert message == expected
 
 
@@ -308,7 +311,7 @@ def test_split_feature_permute_refuses_several_ranks() -> None:
 def _recat_where_torchrec_moved_p2(rank: int, world: int, device: torch.device) -> list[str]:
     """The refusal (flag set before the pipeline is built), then the warning (set after)."""
     model, optimizer = build_sharded(ModelSpec(), ["table_wise"], device, torch.distributed.group.WORLD)
-    chosen = type("RecatExact", (TrainPipelineSparseDist,), {"memory_plan": MemoryPlan(recat="exact")})
+    chosen = type("RecatExact", (TrainPipelineSparseDist,), {"_placements": Placements(recat="exact")})
     said = []
     try:
         PipelinedForward._use_main_stream_for_dist_init = True  # what clear_data_dist_inputs sets
@@ -385,11 +388,11 @@ def test_losses_bit_identical_to_torchrec(sharding: str) -> None:
 
 
 class HighWaterPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(p1="high_water", received="high_water")  # CUDA's at world size > 1
+    _placements = Placements(p1="high_water", received="high_water")  # CUDA's at world size > 1
 
 
 class RecatSetPipeline(TrainPipelineSparseDist):
-    memory_plan = MemoryPlan(p1="high_water", received="high_water", recat="exact")
+    _placements = Placements(p1="high_water", received="high_water", recat="exact")
 
 
 def _p2_below_min_batch_bytes(rank: int, world: int, device: torch.device) -> dict:
