@@ -1,6 +1,6 @@
 """The pipelines a benchmark can run, by name: ``PIPELINES[name](model, optimizer, device)``. Each
 is built from public switches (torchrec's constructor options, recpipe's ``memory_plan`` and
-``min_batch_bytes``), but the ablations, which set one placement through the pipeline's private
+``min_batch_bytes``), except the ablations, which set placements through the pipeline's private
 ``_placements``.
 
 Anchors: ``torchrec`` (``TrainPipelineSparseDist``, the time anchor), ``torchrec_base``
@@ -24,8 +24,8 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 
 from recpipe.pipeline import MemoryPlan
 from recpipe.pipeline import TrainPipelineSparseDist as RecpipePipeline
-from recpipe.pipeline.plan import Placements
 from recpipe.pipeline.data_parallel import BucketedAllReduce
+from recpipe.pipeline.plan import Placements
 
 
 def _variant(name: str, min_batch_bytes: int | None = None, **plan: str) -> type[RecpipePipeline]:

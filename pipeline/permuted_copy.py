@@ -342,7 +342,7 @@ class PermutedCopy:
 
 _PERMUTED_OTHERWISE = (
     "recpipe: a KJT copied in its P1 order was permuted otherwise (did its keys, its stride "
-    "per key or the model change?); set inputs='fresh' in the memory_plan"
+    "per key or the model change?); set memory_plan = MemoryPlan(free_inputs=False)"
 )
 
 

@@ -88,8 +88,8 @@ class MemoryPlan:
 @dataclass(frozen=True)
 class Placements:
     """One placement per batch-sized tensor of the input path (module docstring), chosen for the
-    model: the resolved plan (``pipeline.plan``). Not a product option: a field set in the
-    pipeline's private ``_placements`` replaces the choice (tests on CPU, ablations)."""
+    model (``pipeline.plan``). Not a product option: the pipeline's private ``_placements`` may
+    set one for tests and ablations; a :class:`MemoryPlan` field set by the user wins."""
 
     inputs: Inputs | None = None
     free_inputs: bool | None = None

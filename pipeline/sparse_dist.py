@@ -2,8 +2,8 @@
 reusable on time.
 
 A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
-where the batch-sized tensors of the sparse input distribution live, as its
-:class:`~recpipe.pipeline.plan.MemoryPlan` says: the table of tensors, their streams and reuse
+where the batch-sized tensors of the sparse input distribution live, as its resolved
+:class:`~recpipe.pipeline.plan.Placements` say (``plan``): the table of tensors, their streams and reuse
 events is :mod:`recpipe.pipeline.plan`'s; the memory is :mod:`recpipe.pipeline.buffers`' rings
 and sizes and :mod:`recpipe.pipeline.permuted_copy`'s slot; each hook's place in torchrec's
 ``progress()``: docs/hot_path.md. What the all-to-alls sent is dropped on data_dist once the
@@ -99,7 +99,7 @@ class PipelineStats(RedirectStats):
 
 class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
     """torchrec's ``TrainPipelineSparseDist``, with the batch-sized tensors of the input path
-    placed by a :class:`~recpipe.pipeline.plan.MemoryPlan` (see the module docstring). Same
+    placed by its resolved :class:`~recpipe.pipeline.plan.Placements` (module docstring). Same
     arguments and behaviour; the arguments are torchrec's (``free_features_storage_early`` and
     ``clear_data_dist_inputs`` are not in torchrec 1.6, ``async_inplace_copy`` needs 1.9).
     """
@@ -431,8 +431,7 @@ class TrainPipelineSparseDist(_TorchrecTrainPipelineSparseDist[In, Out]):
             if executor is not None:  # the worker allocates on this thread's current stream
                 # (streams read here: a deferred input dist hides memcpy while the worker runs)
                 copy = partial(copy_batch, batch, self._device, self._memcpy_stream, made, inplace=True)
-                return executor.submit(_on_stream, torch.cuda.current_stream(self._device),
-                                       copy), context
+                return executor.submit(_on_stream, torch.cuda.current_stream(self._device), copy), context
             into = None
             if self._permuted is not None and not inplace:
                 into = self._permuted.destination(context.index)
