@@ -3,8 +3,8 @@ reusable on time.
 
 A drop-in subclass of torchrec's pipeline: same constructor, same ``progress()``. It changes only
 where the batch-sized tensors of the sparse input distribution live, as its resolved
-:class:`~recpipe.pipeline.plan.Placements` say (``plan``): the table of tensors, their streams and reuse
-events is :mod:`recpipe.pipeline.plan`'s; the memory is :mod:`recpipe.pipeline.buffers`' rings
+:class:`~recpipe.pipeline.plan.Placements` say (``plan``): the table of tensors, streams and
+reuse events is :mod:`recpipe.pipeline.plan`'s; the memory is :mod:`recpipe.pipeline.buffers`' rings
 and sizes and :mod:`recpipe.pipeline.permuted_copy`'s slot; each hook's place in torchrec's
 ``progress()``: docs/hot_path.md. What the all-to-alls sent is dropped on data_dist once the
 all-to-all is waited, not a step later at the forward (:meth:`_release_sent_inputs`).
